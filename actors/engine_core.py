@@ -1,0 +1,89 @@
+"""EngineCore: scheduler + block pool + model runner in one process, stepped by its owner."""
+
+from __future__ import annotations
+
+import msgspec
+from cadenza.actors.block_pool import BlockPool, BlockPoolStats
+from cadenza.actors.kv_cache_manager import KVCacheManager
+from cadenza.actors.model_runner import ModelRunner
+from cadenza.actors.request import Request
+from cadenza.actors.scheduler import Scheduler
+from cadenza.models.config import ModelConfig
+from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.loader import LoadedModel
+
+from cadenza.config import EngineConfig
+from cadenza.messages import EngineOutput, EngineRequest
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_cache: BlockPoolStats
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_size
+
+
+def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM) -> int:
+    if config.num_blocks is not None:
+        return config.num_blocks
+    dtype_size = model.embed_tokens.weight.element_size()
+    return max(config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype_size), 1)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_ids = loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.config.eos_token_ids
+        num_blocks = num_kv_blocks(config, loaded.config, loaded.model)
+        self.kv = KVCacheManager(BlockPool(num_blocks), config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.eos_token_ids)
+        self._arrivals = 0
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and queue; a request that can never run is refused here with the reason."""
+        self._validate(req)
+        if req.sampling_params.max_tokens is None:
+            room = self.max_model_len - len(req.prompt_token_ids)
+            req.sampling_params = msgspec.structs.replace(req.sampling_params, max_tokens=room)
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self._arrivals += 1
+        self.scheduler.add_request(Request(req, self.eos_token_ids, self._arrivals))
+
+    def _validate(self, req: EngineRequest) -> None:
+        prompt = req.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        max_tokens = req.sampling_params.max_tokens or 1
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"model's context length max_model_len={self.max_model_len}")
+        blocks = self.kv.blocks_needed(len(prompt) + max_tokens)
+        if blocks > self.kv.pool.num_blocks:
+            raise ValueError(f"the request needs {blocks} KV blocks but the pool only has {self.kv.pool.num_blocks}; "
+                             "raise num_blocks / kv_cache_memory or lower max_tokens")
+
+    def abort(self, request_ids: list[str]) -> list[EngineOutput]:
+        return self.scheduler.abort(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        so = self.scheduler.schedule()
+        out = self.runner.execute(so)
+        return self.scheduler.update(so, out)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats())

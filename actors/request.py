@@ -1,0 +1,82 @@
+"""Request: the scheduler's view of one sequence."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from cadenza.messages import EngineRequest, TokenLogprobs
+from cadenza.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token state of one sequence. `num_computed_tokens` chases `num_tokens`: prefill chunks,
+    prefix-cache hits and decode steps are all "compute the next N tokens"."""
+
+    def __init__(self, req: EngineRequest, eos_token_ids: tuple[int, ...], arrival_seq: int) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.params: SamplingParams = req.sampling_params
+        self.priority = req.priority
+        self.arrival_time = req.arrival_time or time.time()
+        self.arrival_seq = arrival_seq  # ties broken by admission order
+        self.cache_salt = req.cache_salt
+        self.prefix_leader = req.prefix_leader
+        self.eos_token_ids = () if self.params.ignore_eos else eos_token_ids
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.prompt_logprobs: list[TokenLogprobs] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens or 1 << 62
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: (priority, arrival). FCFS requests all carry priority 0."""
+        return (self.priority, self.arrival_seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Decide, after a token was appended, whether the request is done; record why."""
+        last = self.output_token_ids[-1]
+        produced = len(self.output_token_ids)
+        if produced >= self.params.min_tokens:
+            if last in self.eos_token_ids:
+                return self._finish("stop", None)
+            if last in self.params.stop_token_ids:
+                return self._finish("stop", last)
+        if produced >= self.max_tokens or self.num_tokens >= max_model_len:
+            return self._finish("length", None)
+        return False
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> bool:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        return True

@@ -1,0 +1,122 @@
+"""Sampler: logits -> next tokens (and logprobs) for a batch with per-request settings.
+
+Order as in vLLM: penalties and min_tokens masks on the logits, then greedy rows take the
+argmax; the others apply temperature, top-k, top-p, min-p and draw by an exponential race,
+each seeded request from its own generator so its tokens never depend on the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from cadenza.messages import TokenLogprobs
+from cadenza.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs about one request."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: tuple[int, ...]  # EOS and stop_token_ids, masked while below min_tokens
+
+    def generator(self) -> torch.Generator | None:
+        """Seeded requests draw from a stream keyed by (seed, position): the same tokens alone,
+        in any batch, and after preemption, with no generator state to carry around."""
+        seed = self.params.seed
+        if seed is None:
+            return None
+        key = hashlib.blake2b(f"{seed}:{len(self.output_ids)}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [N, V] fp32, one row per request -> (token per row, logprobs per row or None)."""
+    want_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logits = _apply_penalties_and_masks(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random:
+        tokens[random] = _sample_random(logits[random], [rows[i] for i in random])
+    token_list = tokens.tolist()
+    logprobs = [_logprobs(raw[i], t, r.params.logprobs) if raw is not None and r.params.logprobs is not None else None
+                for i, (t, r) in enumerate(zip(token_list, rows))]
+    return token_list, logprobs
+
+
+def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    touched = [i for i, r in enumerate(rows) if r.params.needs_penalties or len(r.output_ids) < r.params.min_tokens]
+    if not touched:
+        return logits
+    logits = logits.clone()
+    for i in touched:
+        _penalise_row(logits[i], rows[i])
+    return logits
+
+
+def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
+    p = r.params
+    vocab = row.shape[0]
+    if p.needs_penalties:
+        outputs = torch.tensor(r.output_ids, dtype=torch.long)
+        counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(row.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(r.prompt_ids, dtype=torch.long)] = True
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalised, row))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if len(r.output_ids) < p.min_tokens and r.stop_ids:
+        row[list(r.stop_ids)] = float("-inf")
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    logits = _top_k_top_p(logits, rows)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; it needs no normalising.
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(rows):
+        noise[i].exponential_(generator=r.generator())
+    return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    top_k = [r.params.effective_top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1])[None, :]
+    k = torch.tensor([k or logits.shape[-1] for k in top_k])[:, None]
+    drop = rank >= k
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+    drop |= before >= torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    chosen = raw[token]
+    rank = int((raw > chosen).sum()) + 1
+    top = torch.topk(raw, k) if k else None
+    ids = [token, *(top.indices.tolist() if top is not None else [])]
+    values = [float(chosen), *(top.values.tolist() if top is not None else [])]
+    return TokenLogprobs(token_ids=ids, logprobs=values, rank=rank)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprob of each next prompt token under the model (rows of logits predict targets)."""
+    raw = torch.log_softmax(logits, dim=-1)
+    return [_logprobs(raw[i], t, k) for i, t in enumerate(targets)]

@@ -1,0 +1,151 @@
+"""LLM: the offline API. `LLM(model=...).generate(prompts, params)` as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+from tqdm import tqdm
+
+from cadenza.actors.engine_core import EngineCore, EngineStats
+from cadenza.config import EngineConfig
+from cadenza.messages import EngineRequest
+from cadenza.models.loader import DEFAULT_MODEL, load_model
+from cadenza.models.tokenizer import Tokenizer
+from cadenza.output_processor import SequenceState
+from cadenza.outputs import RequestOutput
+from cadenza.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class _Pending:
+    """One prompt in flight: its n sequences, keyed by engine request id."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: dict[str, SequenceState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs.values())
+
+    def output(self) -> RequestOutput:
+        seqs = sorted(self.seqs.values(), key=lambda s: s.index)
+        first = seqs[0]
+        prompt_lps = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, prompt_lps,
+                             [s.completion() for s in seqs], self.finished, first.num_cached_tokens,
+                             [s.metrics for s in seqs])
+
+
+class LLM:
+    """An engine in this process. Engine arguments (block_size, max_num_seqs,
+    max_num_batched_tokens, enable_prefix_caching, max_model_len, num_blocks, kv_cache_memory,
+    scheduling_policy) are EngineConfig's."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", seed: int = 0, **engine_args: Any) -> None:
+        self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
+        torch.manual_seed(seed)
+        loaded = load_model(model, self.config.torch_dtype, self.config.device, self.config.max_model_len)
+        self.tokenizer: Tokenizer | None = loaded.tokenizer
+        self.engine = EngineCore(self.config, loaded)
+        self._next_id = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._per_prompt(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        pending = [self._add(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
+        self._run(pending, use_tqdm and len(pending) > 1)
+        return [p.output() for p in pending]
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [{"prompt": tokenizer.apply_chat_template(c, add_generation_prompt), "chat": True}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas of one request as they are sampled (n must be 1)."""
+        pending = self._add(prompt, sampling_params or SamplingParams(), 0)
+        (seq,) = pending.seqs.values()
+        while not pending.finished and self.engine.has_unfinished():
+            self._step(pending_by_id={rid: pending for rid in pending.seqs})
+            if delta := seq.visible_delta():
+                yield delta
+        if delta := seq.visible_delta():
+            yield delta
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _per_prompt(self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None or isinstance(sp, SamplingParams):
+            return [sp or SamplingParams()] * n
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
+        return list(sp)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt)
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:  # rendered chat templates carry their own special tokens
+            text = prompt["prompt"]
+            return text, self.get_tokenizer().encode(text, add_special_tokens=not prompt.get("chat", False))
+        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> _Pending:
+        text, ids = self._tokenize(prompt)
+        if isinstance(text, str) and not text and not ids:
+            raise ValueError("the prompt is empty")
+        rid = str(self._next_id)
+        self._next_id += 1
+        pending = _Pending(rid, text, ids, {})
+        leader = None
+        for i in range(params.n):
+            child = rid if params.n == 1 else f"{rid}-{i}"
+            child_params = params
+            if params.seed is not None and i:  # distinct but reproducible samples per sequence
+                child_params = msgspec.structs.replace(params, seed=params.seed + i)
+            self.engine.add_request(EngineRequest(request_id=child, prompt_token_ids=ids,
+                                                  sampling_params=child_params, priority=priority,
+                                                  prefix_leader=leader))
+            pending.seqs[child] = SequenceState(i, self.tokenizer, ids, child_params)
+            leader = leader or child
+        return pending
+
+    def _run(self, pending: list[_Pending], use_tqdm: bool) -> None:
+        by_id = {rid: p for p in pending for rid in p.seqs}
+        bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm)
+        done = 0
+        while self.engine.has_unfinished():
+            self._step(by_id)
+            finished = sum(p.finished for p in pending)
+            bar.update(finished - done)
+            done = finished
+        bar.close()
+
+    def _step(self, pending_by_id: dict[str, _Pending]) -> None:
+        for out in self.engine.step():
+            pending = pending_by_id.get(out.request_id)
+            if pending is not None and pending.seqs[out.request_id].process(out):
+                self.engine.abort([out.request_id])  # a stop string ended it

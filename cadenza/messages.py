@@ -1,0 +1,82 @@
+"""Typed messages between the engine's parts. msgspec Structs, so the same types cross actor
+boundaries later as msgpack bytes."""
+
+from __future__ import annotations
+
+import msgspec
+
+from cadenza.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """A tokenized request entering the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    # Mixed into every block hash so tenants that must not share KV never do.
+    cache_salt: str | None = None
+    # n > 1: followers wait for the leader's prompt and then share its full KV blocks.
+    prefix_leader: str | None = None
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """Everything a runner needs about a request it does not hold yet (new or resumed)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (outputs are non-empty after preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    """Delta for a request the runner already holds."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    """One step's plan: which requests compute how many of their next tokens."""
+
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Runners drop their state for these (finished, aborted or preempted since the last step).
+    finished_req_ids: list[str]
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top-k alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # 1-based rank of the chosen token in the distribution
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """What a runner computed in one step."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Prompt logprobs for the prompt positions computed this step (chunked prefill sends parts).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+
+
+class EngineOutput(msgspec.Struct, kw_only=True):
+    """Per-request delta of one step, as the engine hands it to its client."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = []
+    new_prompt_logprobs: list[TokenLogprobs] = []
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0

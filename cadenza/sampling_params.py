@@ -1,0 +1,85 @@
+"""SamplingParams: how one request is decoded. Field names follow vLLM so users can switch."""
+
+from __future__ import annotations
+
+import msgspec
+
+# top_k values meaning "no top-k filter" (vLLM accepted -1 before it settled on 0).
+_TOP_K_OFF = (0, -1)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-request decoding settings; validated when made, so a bad value never reaches the engine."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._check_counts()
+        self._check_distribution()
+        self._check_penalties()
+
+    def _check_counts(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be non-negative, got {value}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    def _check_distribution(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 and self.top_k not in _TOP_K_OFF:
+            raise ValueError(f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _check_penalties(self) -> None:
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 means argmax, as in vLLM and the OpenAI API."""
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k in _TOP_K_OFF else self.top_k
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,0 +1,79 @@
+"""Paged attention over a varlen batch: batched decode plus per-request prefill/extend.
+
+The torch reference the Triton kernels are checked against. K/V are read only through
+block tables, so prefix-cache hits, chunked prefill and decode share one path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from cadenza.kernels.metadata import AttentionMetadata
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len K (or V) rows of one request, [seq_len, K, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request. q [B, H, D] -> [B, H, D]; GQA by grouping query heads."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    table = block_tables[:, :num_blocks]
+    # [B, K, L, D] after the gather; padded positions are masked below.
+    k = k_cache[table].flatten(1, 2).transpose(1, 2)
+    v = v_cache[table].flatten(1, 2).transpose(1, 2)
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, K, G, L]
+    positions = torch.arange(scores.shape[-1], device=q.device)
+    pad = positions[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+
+
+def prefill_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [Q, H, D] are the last Q positions of a context k/v [L, K, D]; causal. -> [Q, H, D]."""
+    q_len, ctx_len = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if q_len == ctx_len:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query i sits at absolute position ctx_len - q_len + i and sees keys up to it.
+        rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention for every token of a varlen batch. q [T, H, D] -> [T, H, D]."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = paged_decode_attention_ref(
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale
+        )
+    qsl = meta.query_start_loc
+    for i in range(nd, meta.num_reqs):
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+        out[start:end] = prefill_attention_ref(q[start:end], k, v, scale)
+    return out

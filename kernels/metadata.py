@@ -1,0 +1,27 @@
+"""AttentionMetadata: how a flattened (varlen) batch maps onto the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer.
+
+    Requests are ordered decodes first: the first `num_decodes` requests have exactly one
+    query token, so decode attention runs as one batched op over them.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) per token
+    query_start_loc: list[int]  # [num_reqs + 1]: request i's tokens are [qsl[i], qsl[i+1])
+    seq_lens: list[int]  # [num_reqs]: context length after this step's tokens
+    seq_lens_tensor: torch.Tensor  # [num_reqs] int64, same values on the device
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with 0
+    num_decodes: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)

