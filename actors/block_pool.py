@@ -88,8 +88,9 @@ class BlockPool:
 
     def stats(self) -> BlockPoolStats:
         used = self.num_blocks - self.num_free_blocks
-        return BlockPoolStats(self.num_blocks, self.num_free_blocks, used / self.num_blocks,
-                              self.queries, self.hits, self.evictions)
+        return BlockPoolStats(
+            self.num_blocks, self.num_free_blocks, used / self.num_blocks, self.queries, self.hits, self.evictions
+        )
 
     def check_invariants(self) -> None:
         for block in self.blocks:

@@ -66,12 +66,16 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         max_tokens = req.sampling_params.max_tokens or 1
         if len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                             f"model's context length max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context length max_model_len={self.max_model_len}"
+            )
         blocks = self.kv.blocks_needed(len(prompt) + max_tokens)
         if blocks > self.kv.pool.num_blocks:
-            raise ValueError(f"the request needs {blocks} KV blocks but the pool only has {self.kv.pool.num_blocks}; "
-                             "raise num_blocks / kv_cache_memory or lower max_tokens")
+            raise ValueError(
+                f"the request needs {blocks} KV blocks but the pool only has {self.kv.pool.num_blocks}; "
+                "raise num_blocks / kv_cache_memory or lower max_tokens"
+            )
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
         return self.scheduler.abort(request_ids)

@@ -27,8 +27,14 @@ class RunnerRequest:
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RunnerRequest:
-        return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                   list(new.block_ids), new.num_computed_tokens)
+        return cls(
+            new.req_id,
+            list(new.token_ids),
+            new.num_prompt_tokens,
+            new.sampling_params,
+            list(new.block_ids),
+            new.num_computed_tokens,
+        )
 
 
 @dataclass(slots=True)
@@ -41,18 +47,23 @@ class Batch:
     sampling: list[RunnerRequest]
 
 
-def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(
+    model: LlamaForCausalLM, num_blocks: int, block_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed, so never-written slots that a padded gather reads are finite (0 * NaN would leak)."""
     cfg = model.cfg
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
@@ -106,19 +117,35 @@ class ModelRunner:
         tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl, seq_lens=seq_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            num_decodes=sum(1 for r in order if scheduled[r] == 1))
-        return Batch(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, device=dev),
-                     meta, reqs, sample_rows, sampling)
+            num_decodes=sum(1 for r in order if scheduled[r] == 1),
+        )
+        return Batch(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            reqs,
+            sample_rows,
+            sampling,
+        )
 
     def _sample(self, hidden: torch.Tensor, batch: Batch) -> ModelRunnerOutput:
         if not batch.sampling:
             return ModelRunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[batch.sample_rows]).cpu()
-        rows = [SamplingRow(r.params, r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens :],
-                            self._stop_ids(r.params)) for r in batch.sampling]
+        rows = [
+            SamplingRow(
+                r.params,
+                r.token_ids[: r.num_prompt_tokens],
+                r.token_ids[r.num_prompt_tokens :],
+                self._stop_ids(r.params),
+            )
+            for r in batch.sampling
+        ]
         tokens, logprobs = sample(logits, rows)
         out = ModelRunnerOutput(sampled={}, logprobs={})
         for req, token, lp in zip(batch.sampling, tokens, logprobs, strict=True):

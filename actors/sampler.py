@@ -45,8 +45,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if random:
         tokens[random] = _sample_random(logits[random], [rows[i] for i in random])
     token_list = tokens.tolist()
-    logprobs = [_logprobs(raw[i], t, r.params.logprobs) if raw is not None and r.params.logprobs is not None else None
-                for i, (t, r) in enumerate(zip(token_list, rows))]
+    logprobs = [
+        _logprobs(raw[i], t, r.params.logprobs) if raw is not None and r.params.logprobs is not None else None
+        for i, (t, r) in enumerate(zip(token_list, rows))
+    ]
     return token_list, logprobs
 
 

@@ -62,16 +62,24 @@ class Scheduler:
             preempted |= victims
             if new_ids is None:
                 break
-            cached.append(CachedRequestData(req_id=req.request_id, new_block_ids=new_ids,
-                                            num_computed_tokens=req.num_computed_tokens))
+            cached.append(
+                CachedRequestData(
+                    req_id=req.request_id, new_block_ids=new_ids, num_computed_tokens=req.num_computed_tokens
+                )
+            )
             scheduled[req.request_id] = n
             budget -= n
             i += 1
         # Admitting new work right after preempting would only thrash the pool.
         new = [] if preempted else self._admit(budget, scheduled)
         finished, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(new_requests=new, cached_requests=cached, num_scheduled_tokens=scheduled,
-                               total_num_scheduled_tokens=sum(scheduled.values()), finished_req_ids=finished)
+        return SchedulerOutput(
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=finished,
+        )
 
     def _allocate_or_preempt(self, req: Request, n: int) -> tuple[list[int] | None, bool]:
         """Blocks for req's next n tokens, preempting from the tail until they fit.
@@ -100,9 +108,16 @@ class Scheduler:
                 break
             self.waiting.pop(j)
             self._start(req, num_hit)
-            new.append(NewRequestData(req_id=req.request_id, token_ids=req.all_token_ids,
-                                      num_prompt_tokens=req.num_prompt_tokens, sampling_params=req.params,
-                                      block_ids=self.kv.block_ids(req), num_computed_tokens=num_hit))
+            new.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    token_ids=req.all_token_ids,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampling_params=req.params,
+                    block_ids=self.kv.block_ids(req),
+                    num_computed_tokens=num_hit,
+                )
+            )
             scheduled[req.request_id] = n
             budget -= n
         return new
@@ -154,9 +169,14 @@ class Scheduler:
             if req.check_stop(self.max_model_len):
                 self._finish(req)
                 break
-        return EngineOutput(request_id=req.request_id, new_token_ids=accepted, finish_reason=req.finish_reason,
-                            stop_reason=req.stop_reason, num_cached_tokens=req.num_cached_tokens,
-                            num_prompt_tokens=req.num_prompt_tokens)
+        return EngineOutput(
+            request_id=req.request_id,
+            new_token_ids=accepted,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
 
     def _finish(self, req: Request) -> None:
         if req in self.running:

@@ -40,9 +40,16 @@ class _Pending:
         seqs = sorted(self.seqs.values(), key=lambda s: s.index)
         first = seqs[0]
         prompt_lps = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, prompt_lps,
-                             [s.completion() for s in seqs], self.finished, first.num_cached_tokens,
-                             [s.metrics for s in seqs])
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_ids,
+            prompt_lps,
+            [s.completion() for s in seqs],
+            self.finished,
+            first.num_cached_tokens,
+            [s.metrics for s in seqs],
+        )
 
 
 class LLM:
@@ -63,8 +70,13 @@ class LLM:
             raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
         return self.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
@@ -74,12 +86,18 @@ class LLM:
         self._run(pending, use_tqdm and len(pending) > 1)
         return [p.output() for p in pending]
 
-    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [{"prompt": tokenizer.apply_chat_template(c, add_generation_prompt), "chat": True}
-                   for c in conversations]
+        prompts = [
+            {"prompt": tokenizer.apply_chat_template(c, add_generation_prompt), "chat": True} for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
@@ -126,9 +144,15 @@ class LLM:
             child_params = params
             if params.seed is not None and i:  # distinct but reproducible samples per sequence
                 child_params = msgspec.structs.replace(params, seed=params.seed + i)
-            self.engine.add_request(EngineRequest(request_id=child, prompt_token_ids=ids,
-                                                  sampling_params=child_params, priority=priority,
-                                                  prefix_leader=leader))
+            self.engine.add_request(
+                EngineRequest(
+                    request_id=child,
+                    prompt_token_ids=ids,
+                    sampling_params=child_params,
+                    priority=priority,
+                    prefix_leader=leader,
+                )
+            )
             pending.seqs[child] = SequenceState(i, self.tokenizer, ids, child_params)
             leader = leader or child
         return pending

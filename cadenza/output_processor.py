@@ -99,5 +99,12 @@ class SequenceState:
         return position
 
     def completion(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason)
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )

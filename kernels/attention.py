@@ -44,9 +44,7 @@ def paged_decode_attention_ref(
     return torch.matmul(probs, v).view(batch, num_heads, head_dim)
 
 
-def prefill_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Q, H, D] are the last Q positions of a context k/v [L, K, D]; causal. -> [Q, H, D]."""
     q_len, ctx_len = q.shape[0], k.shape[0]
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)

@@ -16,8 +16,9 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # transformers' filter keeps non-ASCII text as is; jinja's default would escape it.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -31,8 +32,9 @@ def _compile(source: str) -> Any:
     return env.from_string(source)
 
 
-def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                **variables: Any) -> str:
+def render_chat(
+    template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+) -> str:
     """The prompt text for `messages`; a template error becomes a ValueError naming the cause."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:

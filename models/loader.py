@@ -36,8 +36,10 @@ def resolve_model_path(name: str) -> Path:
         return Path(spec.submodule_search_locations[0]) / filename
     path = Path(name).expanduser()
     if not path.exists():
-        raise ValueError(f"model {name!r}: no such file or directory (give an HF directory, a .gguf file, "
-                         f"or one of {sorted(PACKAGED_MODELS)})")
+        raise ValueError(
+            f"model {name!r}: no such file or directory (give an HF directory, a .gguf file, "
+            f"or one of {sorted(PACKAGED_MODELS)})"
+        )
     return path
 
 

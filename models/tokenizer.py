@@ -30,8 +30,14 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 class Tokenizer:
     """Text <-> ids, special tokens and the chat template of one model."""
 
-    def __init__(self, backend: HFTokenizer, chat_template: str | None, bos_token_id: int | None,
-                 eos_token_ids: tuple[int, ...], add_bos: bool) -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        chat_template: str | None,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        add_bos: bool,
+    ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
@@ -61,8 +67,13 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        return render_chat(self.chat_template, messages, add_generation_prompt,
-                           bos_token=self._text(self.bos_token_id), eos_token=self._text(self._first_eos()))
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self._text(self.bos_token_id),
+            eos_token=self._text(self._first_eos()),
+        )
 
     def _first_eos(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
@@ -93,9 +104,13 @@ class Tokenizer:
         types = field_value(reader, "tokenizer.ggml.token_type") or []
         pre = field_value(reader, "tokenizer.ggml.pre", "default")
         backend = _byte_level_bpe(tokens, merges, types, pre)
-        return cls(backend, field_value(reader, "tokenizer.chat_template"),
-                   field_value(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids,
-                   add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)))
+        return cls(
+            backend,
+            field_value(reader, "tokenizer.chat_template"),
+            field_value(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids,
+            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        )
 
 
 def _hf_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
