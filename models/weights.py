@@ -32,13 +32,20 @@ def build_model(
 def _load_one(model: LlamaForCausalLM, cfg: ModelConfig, name: str, tensor: torch.Tensor, filled: set[str]) -> None:
     if name.endswith(_IGNORED) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
         return
+    _copy(model, cfg, name, tensor)
+    if name == "model.embed_tokens.weight" and cfg.tie_word_embeddings:
+        _copy(model, cfg, "lm_head.weight", tensor)
+    filled.add(name)
+
+
+def _copy(model: LlamaForCausalLM, cfg: ModelConfig, name: str, tensor: torch.Tensor) -> None:
     target, offset = _target(model, cfg, name)
-    rows = tensor.shape[0]
-    destination = target.data[offset : offset + rows] if offset is not None else target.data
+    # Linear weights live transposed ([in, out]); viewing them as [out, in] keeps HF's row offsets.
+    view = target.data.t() if target.dim() == 2 and name != "model.embed_tokens.weight" else target.data
+    destination = view if offset is None else view[offset : offset + tensor.shape[0]]
     if destination.shape != tensor.shape:
         raise ValueError(f"weight {name}: expected shape {tuple(destination.shape)}, got {tuple(tensor.shape)}")
     destination.copy_(tensor)
-    filled.add(name)
 
 
 def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[torch.Tensor, int | None]:
@@ -46,8 +53,8 @@ def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[torch
     top = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm}
     if name in top:
         return top[name], None
-    if name == "lm_head.weight" and model.lm_head is not None:
-        return model.lm_head.weight, None
+    if name == "lm_head.weight":
+        return model.lm_head.weight_t, None
     match = _LAYER.fullmatch(name)
     if not match or int(match.group(1)) >= cfg.num_layers:
         raise ValueError(f"unexpected weight {name!r}")
@@ -67,9 +74,10 @@ def _layer_target(layer: torch.nn.Module, cfg: ModelConfig, rest: str, name: str
         "self_attn.o_proj": (attn.o_proj, None),
         "mlp.down_proj": (mlp.down_proj, None),
     }
-    if proj in fused and getattr(fused[proj][0], kind, None) is not None:
+    attribute = "weight_t" if kind == "weight" else kind
+    if proj in fused and getattr(fused[proj][0], attribute, None) is not None:
         module, offset = fused[proj]
-        return getattr(module, kind), offset
+        return getattr(module, attribute), offset
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return getattr(layer, rest.split(".")[0]), None
     raise ValueError(f"unexpected weight {name!r}")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cadenza.models.loader import DEFAULT_MODEL, resolve_model_path
 
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
@@ -17,14 +16,30 @@ TINY_CONFIGS = {
     "llama_mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
     "llama_gqa_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "llama_mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)),
-    "qwen2_gqa_bias": ("Qwen2Config", dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
-                                           head_dim=16, hidden_size=96)),
-    "mistral_gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
-                                          tie_word_embeddings=False)),
-    "llama3_rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
-                                                             low_freq_factor=1.0, high_freq_factor=4.0,
-                                                             original_max_position_embeddings=64))),
+    "qwen2_gqa_bias": (
+        "Qwen2Config",
+        dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False, head_dim=16, hidden_size=96),
+    ),
+    "mistral_gqa": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
+    ),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
 }
 
 

@@ -54,8 +54,9 @@ def test_priority_policy_admits_urgent_first(tiny_model) -> None:
     path, _ = tiny_model()
     llm = LLM(str(path), num_blocks=64, max_num_seqs=1, scheduling_policy="priority")
     for rid, priority in (("low", 5), ("high", -1), ("mid", 0)):
-        llm.engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling_params=GREEDY,
-                                             priority=priority))
+        llm.engine.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling_params=GREEDY, priority=priority)
+        )
     order = []
     while llm.engine.has_unfinished():
         so = llm.engine.scheduler.schedule()

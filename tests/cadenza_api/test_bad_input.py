@@ -16,19 +16,22 @@ def llm(tiny_model) -> LLM:
     return LLM(str(path), num_blocks=64, max_model_len=128)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_k=-5), "top_k"),
-    (dict(min_p=2.0), "min_p"),
-    (dict(n=0), "n must"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-    (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(stop=[""]), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_k=-5), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(n=0), "n must"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
 def test_bad_sampling_params(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cadenza.models.loader import DEFAULT_MODEL
 
 from cadenza import LLM, SamplingParams
-from cadenza.models.loader import DEFAULT_MODEL
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -24,8 +24,10 @@ STEPS = 64
 @pytest.fixture(scope="module")
 def chat_prompts(smollm) -> list[list[int]]:
     tok = smollm.get_tokenizer()
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-            for q in QUESTIONS]
+    return [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in QUESTIONS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +35,14 @@ def hf_greedy(hf_smollm, chat_prompts) -> list[list[int]]:
     outs = []
     for ids in chat_prompts:
         with torch.no_grad():
-            gen = hf_smollm.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS,
-                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        outs.append(gen[0, len(ids):].tolist())
+            gen = hf_smollm.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=STEPS,
+                min_new_tokens=STEPS,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        outs.append(gen[0, len(ids) :].tolist())
     return outs
 
 
@@ -67,9 +74,11 @@ def test_prefix_cache_512_token_prefix(smollm) -> None:
     assert second.num_cached_tokens == 512
     assert smollm.stats().kv_cache.hits - before == 512
     ids = second.prompt_token_ids
-    uncached = smollm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=16,
-                                                                         ignore_eos=True, prompt_logprobs=0),
-                               use_tqdm=False)[0]  # prompt_logprobs bypasses the cache
+    uncached = smollm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0),
+        use_tqdm=False,
+    )[0]  # prompt_logprobs bypasses the cache
     assert uncached.num_cached_tokens == 0
     assert uncached.outputs[0].token_ids == second.outputs[0].token_ids
 
@@ -79,9 +88,13 @@ def test_seeded_sample_same_alone_and_in_batch(smollm) -> None:
     prompt = "Tell me a story about a dragon."
     alone = smollm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     others = [f"Question {i}: what is {i} + {i}?" for i in range(7)]
-    batch = smollm.generate(others[:3] + [prompt] + others[3:],
-                            [SamplingParams(temperature=1.0, max_tokens=24)] * 3 + [params]
-                            + [SamplingParams(temperature=1.0, max_tokens=24)] * 4, use_tqdm=False)
+    batch = smollm.generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(temperature=1.0, max_tokens=24)] * 3
+        + [params]
+        + [SamplingParams(temperature=1.0, max_tokens=24)] * 4,
+        use_tqdm=False,
+    )
     assert batch[3].outputs[0].token_ids == alone
 
 
@@ -91,11 +104,13 @@ def test_stop_string_across_tokens(smollm) -> None:
     tok = smollm.get_tokenizer()
     pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
     # A stop string that starts inside one token and ends inside a later one.
-    cut = len(pieces[4]) - 2
-    stop = full.text[cut : len(pieces[6]) - 1]
-    assert stop and len(stop) > 3
-    out = smollm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                                stop=[stop]), use_tqdm=False)[0].outputs[0]
+    stop = full.text[len(pieces[4]) - 1 : len(pieces[8]) - 1]
+    assert len(stop) > 3
+    out = smollm.generate(
+        "The quick brown fox",
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text == full.text[: full.text.find(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert smollm.stats().num_running == 0
@@ -109,8 +124,7 @@ def test_logprobs_and_n(smollm) -> None:
         for token, position in zip(seq.token_ids, seq.logprobs, strict=True):
             assert token in position and len(position) <= 4
             assert position[token].logprob <= 0
-        assert seq.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(seq.token_ids,
-                                                                                          seq.logprobs)))
+        assert seq.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(seq.token_ids, seq.logprobs)))
 
 
 def test_chat_and_stream(smollm) -> None:

@@ -1,0 +1,184 @@
+"""`cadenza bench offline`: throughput, latency and the machine's own limits, as JSON.
+
+The machine is measured in the same run (fp32 GEMM FLOP/s, memory read GB/s), so every
+figure can be read as a ratio: decode speed against the bandwidth bound, Cadenza against
+HF transformers on the same requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from cadenza.models.loader import resolve_model_path
+from cadenza.sampling_params import SamplingParams
+
+Workload = list[tuple[list[int], int]]  # (prompt ids, output length)
+
+
+def add_offline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", default="32:512", help="prompt length range lo:hi (inclusive)")
+    p.add_argument("--output-len", default="16:256", help="output length range lo:hi (inclusive)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--single-stream-tokens", type=int, default=128)
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--output", default=None, help="also write the JSON here")
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def make_workload(n: int, inputs: tuple[int, int], outputs: tuple[int, int], vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    # Skip the low ids, where special tokens live, so prompts are ordinary text tokens.
+    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*inputs))], rng.randint(*outputs)) for _ in range(n)]
+
+
+def measure_gemm_gflops(n: int = 1024, reps: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.mm(a, b)
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b, out=c)
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+
+
+def measure_read_gbps(megabytes: int = 1024, reps: int = 5) -> float:
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def _greedy(out_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+
+
+def bench_cadenza(llm: Any, workload: Workload, single: tuple[list[int], int]) -> dict[str, float]:
+    llm.generate({"prompt_token_ids": workload[0][0][:16]}, _greedy(4), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in workload], [_greedy(n) for _, n in workload], use_tqdm=False
+    )
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    metrics = [o.metrics[0] for o in outs]
+    tpots = [
+        (m.finished_time - m.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+        for m, o in zip(metrics, outs)
+        if len(o.outputs[0].token_ids) > 1
+    ]
+    one = llm.generate({"prompt_token_ids": single[0]}, _greedy(single[1]), use_tqdm=False)[0]
+    m = one.metrics[0]
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / elapsed,
+        "total_tok_s": (n_out + sum(len(p) for p, _ in workload)) / elapsed,
+        "mean_ttft_s": statistics.mean(m.ttft for m in metrics),
+        "mean_tpot_s": statistics.mean(tpots),
+        "single_stream_decode_tok_s": (single[1] - 1) / (m.last_token_time - m.first_token_time),
+        "preemptions": llm.stats().num_preemptions,
+    }
+
+
+def load_hf(model: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> None:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+
+
+def bench_hf(model: torch.nn.Module, workload: Workload, batch: int, single: tuple[list[int], int]) -> dict:
+    """Static batches in arrival order, padded, each run to its longest output (how HF is used)."""
+    start = time.perf_counter()
+    for i in range(0, len(workload), batch):
+        chunk = workload[i : i + batch]
+        _hf_generate(model, [p for p, _ in chunk], max(n for _, n in chunk))
+    elapsed = time.perf_counter() - start
+    n_out = sum(n for _, n in workload)
+    t0 = time.perf_counter()
+    _hf_generate(model, [single[0]], 1)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _hf_generate(model, [single[0]], single[1])
+    decode = time.perf_counter() - t0 - prefill
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / elapsed,
+        "single_stream_decode_tok_s": (single[1] - 1) / decode,
+    }
+
+
+def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from cadenza.cli import _make_llm
+
+    torch.manual_seed(args.seed)
+    machine = {
+        "torch_threads": torch.get_num_threads(),
+        "fp32_gemm_gflops": measure_gemm_gflops(),
+        "mem_read_gbps": measure_read_gbps(),
+    }
+    llm = _make_llm(args)
+    model = llm.engine.runner.model
+    weight_bytes = model.weight_bytes()
+    machine |= {"weight_bytes": weight_bytes, "decode_bound_tok_s": machine["mem_read_gbps"] * 1e9 / weight_bytes}
+    vocab = llm.engine.model_config.vocab_size
+    workload = make_workload(args.num_requests, _range(args.input_len), _range(args.output_len), vocab, args.seed)
+    single = (make_workload(1, (32, 32), (1, 1), vocab, args.seed + 1)[0][0], args.single_stream_tokens)
+    result: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "machine": machine,
+    }
+    result["cadenza"] = bench_cadenza(llm, workload, single)
+    result["cadenza"]["single_stream_fraction_of_bound"] = (
+        result["cadenza"]["single_stream_decode_tok_s"] / machine["decode_bound_tok_s"]
+    )
+    if args.baseline == "hf":
+        del llm
+        hf = bench_hf(load_hf(args.model), workload, args.hf_batch_size, single)
+        hf["single_stream_fraction_of_bound"] = hf["single_stream_decode_tok_s"] / machine["decode_bound_tok_s"]
+        result["hf"] = hf
+        result["output_tok_s_ratio_vs_hf"] = result["cadenza"]["output_tok_s"] / hf["output_tok_s"]
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return result

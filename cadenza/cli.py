@@ -1,0 +1,138 @@
+"""`cadenza` command line: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from cadenza.models.loader import DEFAULT_MODEL
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - cadenza.LLM, imported late for a fast --help
+    from cadenza.llm import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _params(args: argparse.Namespace):  # noqa: ANN202
+    from cadenza.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _params(args)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outs = llm.generate(args.prompts, params, use_tqdm=False)
+    for out in outs:
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    tokenizer = llm.get_tokenizer()
+    params = _params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"cadenza chat on {args.model}. /reset clears the conversation, /exit or Ctrl-D quits.", flush=True)
+    while (line := _read_line()) is not None:
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = {"prompt": tokenizer.apply_chat_template(history), "chat": True}
+        reply = ""
+        for delta in llm.stream(prompt, params):
+            reply += delta
+            print(delta, end="", flush=True)
+        print(flush=True)
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _read_line() -> str | None:
+    try:
+        return input("> " if sys.stdin.isatty() else "")
+    except EOFError:
+        return None
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from cadenza.bench_offline import run_offline_bench
+
+    run_offline_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadenza", description="Cadenza LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the text")
+    _engine_args(gen)
+    _sampling_args(gen, temperature=0.0)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    gen.add_argument("prompts", nargs="+")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="terminal chat that streams tokens as they are sampled")
+    _engine_args(chat)
+    _sampling_args(chat, temperature=0.7)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=cmd_chat)
+    bench = sub.add_parser("bench", help="benchmarks printing JSON")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    offline = bench_sub.add_parser("offline", help="offline throughput, TTFT/TPOT and the machine's limits")
+    _engine_args(offline)
+    from cadenza.bench_offline import add_offline_args
+
+    add_offline_args(offline)
+    offline.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"cadenza: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
