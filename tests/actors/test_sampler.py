@@ -1,0 +1,70 @@
+"""Sampler filters, penalties and masks on hand-made logits."""
+
+from __future__ import annotations
+
+import torch
+from cadenza.actors.sampler import SamplingRow, sample
+
+from cadenza.sampling_params import SamplingParams
+
+
+def row(outputs: list[int] | None = None, **kw) -> SamplingRow:  # noqa: ANN003
+    return SamplingRow(SamplingParams(**kw), [0], outputs or [], (3,))
+
+
+def draws(logits: torch.Tensor, r: SamplingRow, n: int = 400) -> set[int]:
+    return {sample(logits[None], [r])[0][0] for _ in range(n)}
+
+
+LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+
+
+def test_greedy_and_top_k() -> None:
+    assert sample(LOGITS[None], [row(temperature=0)])[0] == [0]
+    assert draws(LOGITS, row(temperature=1.0, top_k=2)) == {0, 1}
+
+
+def test_top_p_keeps_smallest_nucleus() -> None:
+    probs = torch.softmax(LOGITS, -1)  # [0.64, 0.24, 0.09, ...]
+    assert float(probs[0]) < 0.7 < float(probs[:2].sum())
+    assert draws(LOGITS, row(temperature=1.0, top_p=0.7)) == {0, 1}
+
+
+def test_min_p() -> None:
+    assert draws(LOGITS, row(temperature=1.0, min_p=0.3)) == {0, 1}
+
+
+def test_min_tokens_masks_stop_ids() -> None:
+    logits = torch.tensor([0.0, 0.0, 0.0, 10.0, 0.0])
+    assert sample(logits[None], [row(temperature=0, min_tokens=2, max_tokens=5)])[0] == [0]
+    assert sample(logits[None], [row([1, 1], temperature=0, min_tokens=2, max_tokens=5)])[0] == [3]
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([2.0, 1.9, 0.0, 0.0, 0.0])
+    assert sample(logits[None], [row([0], temperature=0, frequency_penalty=0.5)])[0] == [1]
+    assert sample(logits[None], [row([0], temperature=0, presence_penalty=0.5)])[0] == [1]
+    assert sample(logits[None], [row([], temperature=0, repetition_penalty=2.0)])[0] == [1]  # prompt has 0
+
+
+def test_seeded_rows_are_batch_independent() -> None:
+    logits = torch.randn(6, 50)
+    rows = [row(temperature=1.0, seed=i) for i in range(6)]
+    batch, _ = sample(logits, rows)
+    alone = [sample(logits[i : i + 1], [rows[i]])[0][0] for i in range(6)]
+    assert batch == alone
+
+
+def test_distribution_matches_softmax() -> None:
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
+    rows = [row(temperature=0.8) for _ in range(4000)]
+    tokens, _ = sample(logits.expand(4000, -1).clone(), rows)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.softmax(logits / 0.8, -1), atol=0.03)
+
+
+def test_logprobs_rank_and_top() -> None:
+    _, lps = sample(LOGITS[None], [row(temperature=0, logprobs=2)])
+    lp = lps[0]
+    assert lp.token_ids == [0, 0, 1] and lp.rank == 1
+    assert abs(lp.logprobs[0] - float(torch.log_softmax(LOGITS, -1)[0])) < 1e-6

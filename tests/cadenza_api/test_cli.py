@@ -1,0 +1,60 @@
+"""The `cadenza` command line, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CLI = [str(Path(sys.executable).parent / "cadenza")]
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + list(args), input=stdin, capture_output=True, text=True, timeout=600)
+
+
+def test_generate() -> None:
+    out = run("generate", "--max-tokens", "8", "The capital of France is")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_chat_streams_replies() -> None:
+    out = run("chat", "--temperature", "0", "--max-tokens", "16", stdin="What is the capital of France?\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_bad_model_is_one_clear_line() -> None:
+    out = run("generate", "--model", "/no/such/model", "hi")
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("cadenza: error: model '/no/such/model'")
+
+
+def test_bench_offline_prints_json(tmp_path: Path) -> None:
+    target = tmp_path / "bench.json"
+    out = run(
+        "bench",
+        "offline",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "8:16",
+        "--output-len",
+        "4:8",
+        "--single-stream-tokens",
+        "8",
+        "--baseline",
+        "hf",
+        "--output",
+        str(target),
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(target.read_text())
+    assert json.loads(out.stdout[out.stdout.index("{") :]) == result
+    assert 3 * 4 <= result["cadenza"]["output_tokens"] <= 3 * 8
+    for key in ("fp32_gemm_gflops", "mem_read_gbps", "decode_bound_tok_s"):
+        assert result["machine"][key] > 0
+    assert result["cadenza"]["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
+    assert result["output_tok_s_ratio_vs_hf"] > 0

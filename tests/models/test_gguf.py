@@ -1,0 +1,115 @@
+"""GGUF loading: each supported tensor type and the Q/K permutation, against transformers'
+own GGUF loader on the same file; clear errors for what is unsupported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from cadenza.models.tokenizer import _byte_alphabet
+
+from cadenza import LLM, SamplingParams
+
+Q = gguf.GGMLQuantizationType
+_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf: str) -> str:
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf in top:
+        return top[hf]
+    _, _, layer, *rest = hf.split(".")
+    module, kind = ".".join(rest[:-1]), rest[-1]
+    return f"blk.{layer}.{_NAMES[module]}.{kind}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert-time row order for Q and K."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model: torch.nn.Module, path: Path, qtype: Q, override: dict[str, Q] | None = None) -> Path:
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(list(_byte_alphabet().values())[: cfg.vocab_size])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if ".q_proj." in name:
+            array = permute(array, cfg.num_attention_heads)
+        if ".k_proj." in name:
+            array = permute(array, cfg.num_key_value_heads)
+        kind = (override or {}).get(gguf_name(name), Q.F32 if array.ndim == 1 else qtype)
+        if kind == Q.F32:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+        elif kind == Q.IQ4_NL:  # unsupported on purpose: raw bytes of the right size
+            raw = np.zeros((array.shape[0], array.shape[1] // 32 * 18), dtype=np.uint8)
+            w.add_tensor(gguf_name(name), raw, raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_tensor_types_match_transformers(tiny_model, tmp_path: Path, qtype: Q) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _, hf = tiny_model("llama_gqa_tied")
+    path = write_gguf(hf, tmp_path / f"tiny-{qtype.name}.gguf", qtype)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.randint(3, 160, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(str(path), num_blocks=32, max_model_len=256)
+    ours = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)
+    with torch.no_grad():
+        expected = torch.log_softmax(ref(torch.tensor([ids])).logits[0], -1)
+    for pos, position in enumerate(ours[0].prompt_logprobs[1:]):
+        for token, lp in position.items():
+            assert abs(lp.logprob - float(expected[pos, token])) <= 1e-3
+
+
+def test_unsupported_tensor_type_is_named(tiny_model, tmp_path: Path) -> None:
+    _, hf = tiny_model("llama_gqa_tied")
+    path = write_gguf(hf, tmp_path / "iq.gguf", Q.F32, override={"blk.0.ffn_up.weight": Q.IQ4_NL})
+    with pytest.raises(ValueError, match=r"iq\.gguf: tensor blk\.0\.ffn_up\.weight has unsupported type IQ4_NL"):
+        LLM(str(path))
+
+
+def test_gguf_config_and_tokenizer(smollm) -> None:
+    cfg = smollm.engine.model_config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.vocab_size == 49152
+    assert smollm.get_tokenizer().eos_token_ids == (2,)
