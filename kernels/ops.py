@@ -37,10 +37,8 @@ def fused_add_rms_norm(
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
-def rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_ref(q, k, positions, cos_sin)
+def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_ref(q, k, cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def rotary_ref(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, K, D]; cos_sin [max_pos, D] holds cos in the first half, sin in the second."""
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, K, D]; cos_sin [T, D], each token's row of the cache: cos, then sin.
+
+    The model gathers the rows once per step, not once per layer."""
     half = cos_sin.shape[1] // 2
-    cs = cos_sin[positions]
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -51,7 +51,7 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, positions, cos_sin)
+        q, k = ops.rotary(q, k, cos_sin)
         ops.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         out = ops.paged_attention(q, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -110,8 +110,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flattened batch of T tokens."""
         x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.cos_sin[positions]
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
+            x, residual = layer(x, residual, positions, cos_sin, kv, meta)
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
