@@ -43,9 +43,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -80,7 +78,6 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
         cos_sin: torch.Tensor,
         kv: KVCache,
         meta: AttentionMetadata,
@@ -89,7 +86,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, ops.rms_norm(x, self.input_layernorm, self.eps)
         else:
             h, residual = ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, positions, cos_sin, kv, meta)
+        h = self.self_attn(h, cos_sin, kv, meta)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual
 
@@ -112,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.cos_sin[positions]
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, cos_sin, kv, meta)
+            x, residual = layer(x, residual, cos_sin, kv, meta)
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
