@@ -1,4 +1,7 @@
-"""EngineCore: scheduler + block pool + model runner in one process, stepped by its owner."""
+"""EngineCore: scheduler + block pool, and (in-process) the model runner, stepped by its owner.
+
+The engine actor uses the same core without a runner: it schedules here, executes on its
+worker actors, and feeds their output back through update()."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.request import Request
 from cadenza.actors.scheduler import Scheduler
 from cadenza.models.config import ModelConfig
-from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.loader import LoadedModel
 
 from cadenza.config import EngineConfig
@@ -27,24 +29,40 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_size
 
 
-def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM) -> int:
+def num_kv_blocks(config: EngineConfig, cfg: ModelConfig) -> int:
+    """Blocks in the pool: kv_cache_memory is the whole model's KV (all layers, all heads),
+    whatever the number of workers that share it."""
     if config.num_blocks is not None:
         return config.num_blocks
-    dtype_size = model.embed_tokens.weight.element_size()
+    dtype_size = config.torch_dtype.itemsize
     return max(config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype_size), 1)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        runner: ModelRunner | None = None,
+    ) -> None:
         self.config = config
-        self.model_config = loaded.config
-        self.max_model_len = loaded.max_model_len
-        self.eos_token_ids = loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.config.eos_token_ids
-        num_blocks = num_kv_blocks(config, loaded.config, loaded.model)
-        self.kv = KVCacheManager(BlockPool(num_blocks), config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.eos_token_ids)
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.num_blocks = num_kv_blocks(config, model_config)
+        self.kv = KVCacheManager(BlockPool(self.num_blocks), config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+        self.runner = runner
         self._arrivals = 0
+
+    @classmethod
+    def in_process(cls, config: EngineConfig, loaded: LoadedModel) -> EngineCore:
+        eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.config.eos_token_ids
+        core = cls(config, loaded.config, loaded.max_model_len, eos)
+        core.runner = ModelRunner(loaded.model, core.num_blocks, config.block_size, eos)
+        return core
 
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue; a request that can never run is refused here with the reason."""
@@ -87,6 +105,15 @@ class EngineCore:
         so = self.scheduler.schedule()
         out = self.runner.execute(so)
         return self.scheduler.update(so, out)
+
+    def fail_all(self, error: str) -> list[EngineOutput]:
+        """End every request with an error (its workers are gone) and free all its blocks."""
+        ids = list(self.scheduler.requests)
+        outputs = self.scheduler.abort(ids)
+        for out in outputs:
+            out.finish_reason, out.error = "error", error
+        self.scheduler.finished_ids.clear()  # the rebuilt workers hold no state to drop
+        return outputs
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -10,7 +10,7 @@ from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.models.llama import LlamaForCausalLM
 
-from cadenza.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from cadenza.messages import HiddenStates, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from cadenza.sampling_params import SamplingParams
 
 
@@ -51,37 +51,72 @@ def allocate_kv_cache(
     model: LlamaForCausalLM, num_blocks: int, block_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed, so never-written slots that a padded gather reads are finite (0 * NaN would leak)."""
-    cfg = model.cfg
-    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+    dtype, device = model.norm.dtype, model.norm.device
+    caches = []
+    for layer in model.layers:  # this pipeline stage's layers, this rank's KV heads
+        shape = (num_blocks, block_size, layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+        caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+    return caches
+
+
+def pack_hidden(x: torch.Tensor, residual: torch.Tensor) -> HiddenStates:
+    # bytes through int16/int32 views: numpy has no bfloat16.
+    raw = lambda t: t.contiguous().cpu().view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes()
+    dtype = str(x.dtype).removeprefix("torch.")
+    return HiddenStates(shape=list(x.shape), dtype=dtype, hidden=raw(x), residual=raw(residual))
+
+
+def unpack_hidden(h: HiddenStates, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = getattr(torch, h.dtype)
+    load = lambda b: torch.frombuffer(bytearray(b), dtype=dtype).view(h.shape).to(device)
+    return load(h.hidden), load(h.residual)
 
 
 class ModelRunner:
+    """One worker's runner. With pipeline stages, a stage before the last returns HiddenStates
+    for the next; with tensor parallelism every rank computes and only the driver samples."""
+
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...]
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: tuple[int, ...],
+        is_driver: bool = True,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
-        self.device = model.embed_tokens.weight.device
+        self.is_driver = is_driver
+        self.device = model.norm.device
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         self.requests: dict[str, RunnerRequest] = {}
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, previous: HiddenStates | None = None) -> ModelRunnerOutput | HiddenStates:
         self._update_states(so)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput(sampled={})
         batch = self._prepare(so.num_scheduled_tokens)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            out = self._sample(hidden, batch)
-            out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
+            result = self._forward(batch, previous)
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
+        return result
+
+    def _forward(self, batch: Batch, previous: HiddenStates | None) -> ModelRunnerOutput | HiddenStates:
+        model = self.model
+        if model.is_first_stage:
+            x, residual = model.embed(batch.input_ids), None
+        elif previous is None:
+            raise ValueError("a later pipeline stage needs the previous stage's hidden states")
+        else:
+            x, residual = unpack_hidden(previous, self.device)
+        x, residual = model.run_layers(x, residual, batch.positions, self.kv_caches, batch.meta)
+        if not model.is_last_stage:
+            return pack_hidden(x, residual)
+        hidden = model.final_norm(x, residual)
+        out = self._sample(hidden, batch)
+        out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -92,6 +127,7 @@ class ModelRunner:
         for delta in so.cached_requests:
             state = self.requests[delta.req_id]
             state.block_ids.extend(delta.new_block_ids)
+            state.token_ids.extend(delta.new_token_ids)
             state.num_computed_tokens = delta.num_computed_tokens
 
     def _prepare(self, scheduled: dict[str, int]) -> Batch:
@@ -137,6 +173,8 @@ class ModelRunner:
         if not batch.sampling:
             return ModelRunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[batch.sample_rows]).cpu()
+        if not self.is_driver:  # the gather above is collective; sampling is the driver's alone
+            return ModelRunnerOutput(sampled={})
         rows = [
             SamplingRow(
                 r.params,
@@ -149,7 +187,6 @@ class ModelRunner:
         tokens, logprobs = sample(logits, rows)
         out = ModelRunnerOutput(sampled={}, logprobs={})
         for req, token, lp in zip(batch.sampling, tokens, logprobs, strict=True):
-            req.token_ids.append(token)
             out.sampled[req.req_id] = [token]
             if lp is not None:
                 out.logprobs[req.req_id] = [lp]
@@ -162,6 +199,7 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: Batch) -> dict[str, list[TokenLogprobs]]:
         """Rows at prompt positions p < num_prompt - 1 predict prompt token p + 1."""
         result: dict[str, list[TokenLogprobs]] = {}
+        # Every TP rank takes the same branches: compute_logits is a collective.
         qsl = batch.meta.query_start_loc
         for i, req in enumerate(batch.reqs):
             k = req.params.prompt_logprobs

@@ -32,6 +32,7 @@ class Request:
         self.eos_token_ids = () if self.params.ignore_eos else eos_token_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_sent_tokens = 0  # tokens the model runners hold for this request
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -64,9 +64,13 @@ class Scheduler:
                 break
             cached.append(
                 CachedRequestData(
-                    req_id=req.request_id, new_block_ids=new_ids, num_computed_tokens=req.num_computed_tokens
+                    req_id=req.request_id,
+                    new_block_ids=new_ids,
+                    num_computed_tokens=req.num_computed_tokens,
+                    new_token_ids=req.output_token_ids[req.num_sent_tokens - req.num_prompt_tokens :],
                 )
             )
+            req.num_sent_tokens = req.num_tokens
             scheduled[req.request_id] = n
             budget -= n
             i += 1
@@ -108,6 +112,7 @@ class Scheduler:
                 break
             self.waiting.pop(j)
             self._start(req, num_hit)
+            req.num_sent_tokens = req.num_tokens
             new.append(
                 NewRequestData(
                     req_id=req.request_id,

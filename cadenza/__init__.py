@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 _EXPORTS = {
     "LLM": "cadenza.llm",
+    "AsyncLLM": "cadenza.async_llm",
     "SamplingParams": "cadenza.sampling_params",
     "RequestOutput": "cadenza.outputs",
     "CompletionOutput": "cadenza.outputs",

@@ -19,6 +19,11 @@ class EngineConfig:
     count or in bytes (num_blocks wins). max_num_seqs: requests running at once.
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_model_len: longest prompt + output; defaults to the model's context length.
+
+    Actor runtime (AsyncLLM): tensor_parallel_size / pipeline_parallel_size shard the model
+    over tp * pp worker actors. num_cpus_per_worker: Ray CPUs (and torch threads) per worker,
+    default the machine's cores shared evenly; num_gpus_per_worker: default 1 on CUDA, 0 on
+    CPU. distributed_timeout_s bounds every collective, so a dead peer is an error, not a hang.
     """
 
     model: str
@@ -33,6 +38,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_cpus_per_worker: float | None = None
+    num_gpus_per_worker: float | None = None
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -45,8 +55,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,53 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import torch
 from tqdm import tqdm
 
 from cadenza.actors.engine_core import EngineCore, EngineStats
 from cadenza.config import EngineConfig
-from cadenza.messages import EngineRequest
 from cadenza.models.loader import DEFAULT_MODEL, load_model
 from cadenza.models.tokenizer import Tokenizer
-from cadenza.output_processor import SequenceState
 from cadenza.outputs import RequestOutput
+from cadenza.prompts import PendingRequest, Prompt, fan_out, require_tokenizer, tokenize
 from cadenza.sampling_params import SamplingParams
 
-Prompt = str | dict[str, Any]
 Messages = list[dict[str, Any]]
-
-
-@dataclass
-class _Pending:
-    """One prompt in flight: its n sequences, keyed by engine request id."""
-
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    seqs: dict[str, SequenceState]
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs.values())
-
-    def output(self) -> RequestOutput:
-        seqs = sorted(self.seqs.values(), key=lambda s: s.index)
-        first = seqs[0]
-        prompt_lps = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_ids,
-            prompt_lps,
-            [s.completion() for s in seqs],
-            self.finished,
-            first.num_cached_tokens,
-            [s.metrics for s in seqs],
-        )
 
 
 class LLM:
@@ -62,13 +29,11 @@ class LLM:
         torch.manual_seed(seed)
         loaded = load_model(model, self.config.torch_dtype, self.config.device, self.config.max_model_len)
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.engine = EngineCore(self.config, loaded)
+        self.engine = EngineCore.in_process(self.config, loaded)
         self._next_id = 0
 
     def get_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
-        return self.tokenizer
+        return require_tokenizer(self.tokenizer)
 
     def generate(
         self,
@@ -121,43 +86,16 @@ class LLM:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
         return list(sp)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.get_tokenizer().encode(prompt)
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:  # rendered chat templates carry their own special tokens
-            text = prompt["prompt"]
-            return text, self.get_tokenizer().encode(text, add_special_tokens=not prompt.get("chat", False))
-        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
-
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> _Pending:
-        text, ids = self._tokenize(prompt)
-        if isinstance(text, str) and not text and not ids:
-            raise ValueError("the prompt is empty")
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> PendingRequest:
+        text, ids = tokenize(self.tokenizer, prompt)
         rid = str(self._next_id)
         self._next_id += 1
-        pending = _Pending(rid, text, ids, {})
-        leader = None
-        for i in range(params.n):
-            child = rid if params.n == 1 else f"{rid}-{i}"
-            child_params = params
-            if params.seed is not None and i:  # distinct but reproducible samples per sequence
-                child_params = msgspec.structs.replace(params, seed=params.seed + i)
-            self.engine.add_request(
-                EngineRequest(
-                    request_id=child,
-                    prompt_token_ids=ids,
-                    sampling_params=child_params,
-                    priority=priority,
-                    prefix_leader=leader,
-                )
-            )
-            pending.seqs[child] = SequenceState(i, self.tokenizer, ids, child_params)
-            leader = leader or child
+        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer)
+        for req in requests:
+            self.engine.add_request(req)
         return pending
 
-    def _run(self, pending: list[_Pending], use_tqdm: bool) -> None:
+    def _run(self, pending: list[PendingRequest], use_tqdm: bool) -> None:
         by_id = {rid: p for p in pending for rid in p.seqs}
         bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm)
         done = 0
@@ -168,7 +106,7 @@ class LLM:
             done = finished
         bar.close()
 
-    def _step(self, pending_by_id: dict[str, _Pending]) -> None:
+    def _step(self, pending_by_id: dict[str, PendingRequest]) -> None:
         for out in self.engine.step():
             pending = pending_by_id.get(out.request_id)
             if pending is not None and pending.seqs[out.request_id].process(out):

@@ -39,6 +39,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Tokens sampled since the runner last saw this request. Runners never append their own
+    # samples: only one rank samples, and every rank learns the tokens from here.
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):
@@ -69,6 +72,15 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
+class HiddenStates(msgspec.Struct, kw_only=True):
+    """What one pipeline stage hands the next: hidden states and residual, as raw bytes."""
+
+    shape: list[int]
+    dtype: str
+    hidden: bytes
+    residual: bytes
+
+
 class EngineOutput(msgspec.Struct, kw_only=True):
     """Per-request delta of one step, as the engine hands it to its client."""
 
@@ -76,7 +88,8 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = []
     new_prompt_logprobs: list[TokenLogprobs] = []
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None  # why, when finish_reason is "error" (e.g. a worker died)
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0

@@ -11,6 +11,7 @@ from cadenza.kernels import ops
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.models.config import ModelConfig
 from cadenza.models.rope import cos_sin_cache
+from cadenza.models.tp import SINGLE, TPGroup
 from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -27,11 +28,12 @@ class Linear(nn.Module):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # Row-parallel under tensor parallelism: partial sums are all-reduced across ranks.
+        self.reduce: TPGroup = SINGLE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+        y = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        return self.reduce.all_reduce(y)
 
 
 class Attention(nn.Module):
@@ -92,6 +94,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The whole model, or after cadenza.models.shard one rank's part: a pipeline stage
+    (a run of layers) and a tensor-parallel slice of each."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -101,20 +106,48 @@ class LlamaForCausalLM(nn.Module):
         # Tied models get their own transposed copy for the faster decode layout (see Linear).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("cos_sin", cos_sin_cache(cfg, max_positions), persistent=False)
+        self.is_first_stage = self.is_last_stage = True
+        self.tp: TPGroup = SINGLE
+        self.vocab_start = 0  # this rank's first vocab row (vocab-parallel embedding)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] for a flattened batch of T tokens."""
-        x, residual = self.embed_tokens(input_ids), None
+        """Final hidden states [T, hidden] for a flattened batch of T tokens (single stage)."""
+        x, residual = self.run_layers(self.embed(input_ids), None, positions, kv_caches, meta)
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
+        x[outside] = 0
+        return self.tp.all_reduce(x)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's layers; (x, residual) is what the next pipeline stage continues from."""
         cos_sin = self.cos_sin[positions]
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv, meta)
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[N, vocab] fp32; under TP each rank's vocab slice is gathered (every rank must call)."""
+        logits = self.tp.all_gather_last(self.lm_head(hidden).float())
+        return logits[:, : self.cfg.vocab_size]
 
     def weight_bytes(self) -> int:
         """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams."""

@@ -50,7 +50,14 @@ def read_model(name: str) -> tuple[Path, ModelConfig]:
     return path, read_gguf_config(open_gguf(path), path)
 
 
-def load_model(name: str, dtype: torch.dtype, device: str, max_model_len: int | None = None) -> LoadedModel:
+def load_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
+    """The tokenizer alone (for a client or an engine actor that holds no weights)."""
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path, cfg.eos_token_ids)
+    return Tokenizer.from_gguf(open_gguf(path), path, cfg.eos_token_ids)
+
+
+def load_model(name: str, dtype: torch.dtype, device: str, max_len: int | None = None) -> LoadedModel:
     path = resolve_model_path(name)
     if path.is_dir():
         cfg = read_hf_config(path)
@@ -59,12 +66,12 @@ def load_model(name: str, dtype: torch.dtype, device: str, max_model_len: int | 
         reader = open_gguf(path)
         cfg = read_gguf_config(reader, path)
         tensors, tokenizer = iter_gguf_tensors(reader, cfg, path), Tokenizer.from_gguf(reader, path, cfg.eos_token_ids)
-    length = _max_model_len(cfg, max_model_len)
+    length = max_model_len(cfg, max_len)
     model = build_model(cfg, tensors, dtype, device, length)
     return LoadedModel(cfg, model, tokenizer, length)
 
 
-def _max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+def max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     if requested is None:
         return cfg.max_position_embeddings
     if requested > cfg.max_position_embeddings:

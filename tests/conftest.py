@@ -91,3 +91,14 @@ def hf_smollm(smollm_path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(
         smollm_path.parent, gguf_file=smollm_path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> None:
+    """One local Ray instance for the whole session (it takes ~15 s to start). Logical CPUs
+    exceed the 2 physical ones so TP x PP = 4 workers can be placed."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="error")
+    yield
+    ray.shutdown()

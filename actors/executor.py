@@ -1,0 +1,127 @@
+"""RayExecutor: the engine actor's handle on its worker actors.
+
+tp * pp workers in one placement group. A step sends the same SchedulerOutput bytes to every
+worker; stage s + 1 gets stage s's HiddenStates as a Ray object reference, so hidden states
+flow worker to worker without a detour through the engine. The last stage's TP rank 0
+(the driver) returns the ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import msgspec
+import ray
+from cadenza.actors.worker import Worker, WorkerSpec
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cadenza.config import EngineConfig
+from cadenza.messages import ModelRunnerOutput, SchedulerOutput
+
+# How long to wait for the cluster to grant the workers' resources before giving up.
+PLACEMENT_TIMEOUT_S = 60.0
+
+_encoder = msgspec.msgpack.Encoder()
+_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+_RemoteWorker = ray.remote(Worker)
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or raised: every in-flight request is lost and the workers are rebuilt."""
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.num_blocks = num_blocks
+        self.eos_token_ids = list(eos_token_ids)
+        self.stages: list[list[ray.actor.ActorHandle]] = []  # [pp][tp]
+        self.pids: list[int] = []
+        self.pg: PlacementGroup | None = None
+
+    def _resources(self) -> tuple[float, float, int]:
+        """(Ray CPUs, Ray GPUs, torch threads) per worker."""
+        cfg = self.config
+        gpus = cfg.num_gpus_per_worker
+        if gpus is None:
+            gpus = 1.0 if cfg.device.startswith("cuda") else 0.0
+        cpus = cfg.num_cpus_per_worker or 1.0
+        threads = int(cfg.num_cpus_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size))
+        return cpus, gpus, max(threads, 1)
+
+    async def start(self) -> None:
+        cfg = self.config
+        cpus, gpus, threads = self._resources()
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        self.pg = placement_group([bundle] * cfg.world_size, strategy="PACK")
+        try:
+            await asyncio.wait_for(self.pg.ready(), PLACEMENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"the Ray cluster could not place {cfg.world_size} workers of {bundle} within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; available: {ray.available_resources()}"
+            ) from None
+        self.stages = [
+            [self._spawn(tp, pp, threads, cpus, gpus) for tp in range(cfg.tensor_parallel_size)]
+            for pp in range(cfg.pipeline_parallel_size)
+        ]
+        url = await self._rendezvous() if cfg.tensor_parallel_size > 1 else None
+        self.pids = await asyncio.gather(*(w.load.remote(url) for w in self.workers))
+
+    def _spawn(self, tp: int, pp: int, threads: int, cpus: float, gpus: float) -> ray.actor.ActorHandle:
+        spec = WorkerSpec(
+            config=self.config,
+            num_blocks=self.num_blocks,
+            eos_token_ids=self.eos_token_ids,
+            tp_rank=tp,
+            pp_rank=pp,
+            num_threads=threads,
+        )
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=pp * self.config.tensor_parallel_size + tp
+        )
+        return _RemoteWorker.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy).remote(
+            msgspec.msgpack.encode(spec)
+        )
+
+    async def _rendezvous(self) -> str:
+        nodes = set(await asyncio.gather(*(w.node_id.remote() for w in self.workers)))
+        return await self.workers[0].rendezvous.remote(len(nodes) == 1)
+
+    @property
+    def workers(self) -> list[ray.actor.ActorHandle]:
+        return [w for stage in self.stages for w in stage]
+
+    async def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        data = _encoder.encode(so)
+        if not so.total_num_scheduled_tokens:  # bookkeeping only (finished ids): no hidden states
+            refs = [w.execute.remote(data) for w in self.workers]
+        else:
+            refs = [w.execute.remote(data) for w in self.stages[0]]
+            for stage in self.stages[1:]:
+                # Stage outputs are identical across TP ranks (all-reduced); rank i feeds rank i.
+                refs += [w.execute.remote(data, ref) for w, ref in zip(stage, refs[-len(stage) :], strict=True)]
+        try:
+            results = await asyncio.gather(*refs)
+        except ray.exceptions.RayError as e:
+            raise WorkerFailure(f"a worker failed during a step: {type(e).__name__}: {_first_line(e)}") from e
+        driver = results[-len(self.stages[-1])]  # the last stage's rank 0
+        return _output_decoder.decode(driver) if driver else ModelRunnerOutput(sampled={})
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.stages = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    async def restart(self) -> None:
+        self.shutdown()
+        await self.start()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]

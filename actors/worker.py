@@ -1,0 +1,97 @@
+"""Worker: one Ray actor per model shard. It owns the shard's weights, KV cache tensors, model
+runner and sampler, and answers `execute(scheduler output bytes)` with msgpack bytes.
+
+Plain class here; cadenza.actors.executor wraps it with ray.remote and its resources.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import msgspec
+import ray
+import torch
+import torch.distributed as dist
+from cadenza.actors.model_runner import ModelRunner
+from cadenza.models.loader import load_model
+from cadenza.models.shard import shard_model
+from cadenza.models.tp import SINGLE, TPGroup
+
+from cadenza.config import EngineConfig
+from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    config: EngineConfig
+    num_blocks: int
+    eos_token_ids: list[int]
+    tp_rank: int
+    pp_rank: int
+    num_threads: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+_hidden_decoder = msgspec.msgpack.Decoder(HiddenStates)
+
+
+class Worker:
+    def __init__(self, spec: bytes) -> None:
+        self.spec = msgspec.msgpack.decode(spec, type=WorkerSpec)
+        torch.set_num_threads(self.spec.num_threads)
+        self.runner: ModelRunner | None = None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous(self, loopback: bool) -> str:
+        """Where rank 0 hosts the torch.distributed rendezvous: loopback when every worker
+        shares this node (nothing else listens beyond it), else this node's cluster address."""
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"tcp://{host}:{s.getsockname()[1]}"
+
+    def load(self, dist_url: str | None) -> int:
+        """Join the process group (tensor parallel only), load and shard the model, allocate KV.
+        Returns the process id, so tests and operators can find (and kill) the worker."""
+        spec, cfg = self.spec, self.spec.config
+        torch.manual_seed(cfg.seed)
+        tp = self._join_group(dist_url) if cfg.tensor_parallel_size > 1 else SINGLE
+        device = "cuda" if cfg.device.startswith("cuda") else cfg.device
+        loaded = load_model(cfg.model, cfg.torch_dtype, device, cfg.max_model_len)
+        model = shard_model(loaded.model, tp, spec.pp_rank, cfg.pipeline_parallel_size)
+        is_driver = tp.rank == 0 and model.is_last_stage
+        eos = tuple(spec.eos_token_ids)
+        self.runner = ModelRunner(model, spec.num_blocks, cfg.block_size, eos, is_driver=is_driver)
+        return os.getpid()
+
+    def _join_group(self, dist_url: str) -> TPGroup:
+        cfg, spec = self.spec.config, self.spec
+        tp = cfg.tensor_parallel_size
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=dist_url,
+            rank=spec.pp_rank * tp + spec.tp_rank,
+            world_size=cfg.world_size,
+            timeout=datetime.timedelta(seconds=cfg.distributed_timeout_s),
+        )
+        # Every process must create every group, in the same order.
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(cfg.pipeline_parallel_size)]
+        return TPGroup(spec.tp_rank, tp, groups[spec.pp_rank])
+
+    def execute(self, scheduler_output: bytes, previous: bytes | None = None) -> bytes:
+        if self.runner is None:
+            raise RuntimeError("worker.execute before worker.load")
+        so = _so_decoder.decode(scheduler_output)
+        hidden = _hidden_decoder.decode(previous) if previous else None
+        result = self.runner.execute(so, hidden)
+        if isinstance(result, ModelRunnerOutput) and not self.runner.is_driver:
+            return b""  # only the driver's output is read
+        return _encoder.encode(result)
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,99 @@
+"""Prompts to engine requests, shared by LLM and AsyncLLM: tokenizing, and fanning a request
+with n > 1 out into n engine sequences that share the prompt's KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from cadenza.messages import EngineRequest
+from cadenza.models.tokenizer import Tokenizer
+from cadenza.output_processor import SequenceState
+from cadenza.outputs import RequestOutput
+from cadenza.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+@dataclass
+class PendingRequest:
+    """One prompt in flight: its n sequences, keyed by engine request id."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: dict[str, SequenceState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs.values())
+
+    def output(self) -> RequestOutput:
+        seqs = sorted(self.seqs.values(), key=lambda s: s.index)
+        first = seqs[0]
+        prompt_lps = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_ids,
+            prompt_lps,
+            [s.completion() for s in seqs],
+            self.finished,
+            first.num_cached_tokens,
+            [s.metrics for s in seqs],
+        )
+
+
+def require_tokenizer(tokenizer: Tokenizer | None) -> Tokenizer:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
+    return tokenizer
+
+
+def tokenize(tokenizer: Tokenizer | None, prompt: Prompt) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        text, ids = prompt, require_tokenizer(tokenizer).encode(prompt)
+    elif not isinstance(prompt, dict):
+        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+    elif "prompt_token_ids" in prompt:
+        text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    elif "prompt" in prompt:  # rendered chat templates carry their own special tokens
+        text = prompt["prompt"]
+        ids = require_tokenizer(tokenizer).encode(text, add_special_tokens=not prompt.get("chat", False))
+    else:
+        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return text, ids
+
+
+def fan_out(
+    request_id: str,
+    text: str | None,
+    ids: list[int],
+    params: SamplingParams,
+    priority: int,
+    tokenizer: Tokenizer | None,
+) -> tuple[PendingRequest, list[EngineRequest]]:
+    """n > 1: child 0 leads, the others follow it (they wait for its prompt KV, then share it);
+    seeded children get seed + i, so their samples differ but stay reproducible."""
+    pending = PendingRequest(request_id, text, ids, {})
+    requests: list[EngineRequest] = []
+    for i in range(params.n):
+        child = request_id if params.n == 1 else f"{request_id}-{i}"
+        child_params = params
+        if params.seed is not None and i:
+            child_params = msgspec.structs.replace(params, seed=params.seed + i)
+        requests.append(
+            EngineRequest(
+                request_id=child,
+                prompt_token_ids=ids,
+                sampling_params=child_params,
+                priority=priority,
+                prefix_leader=requests[0].request_id if requests else None,
+            )
+        )
+        pending.seqs[child] = SequenceState(i, tokenizer, ids, child_params)
+    return pending, requests
