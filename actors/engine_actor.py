@@ -38,6 +38,7 @@ class ActorStats(msgspec.Struct, kw_only=True):
     worker_pids: list[int]
     num_worker_restarts: int
     num_steps: int
+    compiled_graph: bool  # steps run as a Ray Compiled Graph (else plain actor calls)
 
 
 class EngineActor:
@@ -104,6 +105,7 @@ class EngineActor:
                 worker_pids=list(self.executor.pids),
                 num_worker_restarts=self._restarts,
                 num_steps=self._steps,
+                compiled_graph=self.executor.graph is not None,
             )
         )
 

@@ -87,7 +87,8 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("worker.execute before worker.load")
         so = _so_decoder.decode(scheduler_output)
-        hidden = _hidden_decoder.decode(previous) if previous else None
+        # An empty step (bookkeeping only) hands later stages an empty output, not hidden states.
+        hidden = _hidden_decoder.decode(previous) if previous and so.total_num_scheduled_tokens else None
         result = self.runner.execute(so, hidden)
         if isinstance(result, ModelRunnerOutput) and not self.runner.is_driver:
             return b""  # only the driver's output is read

@@ -24,6 +24,7 @@ class EngineConfig:
     over tp * pp worker actors. num_cpus_per_worker: Ray CPUs (and torch threads) per worker,
     default the machine's cores shared evenly; num_gpus_per_worker: default 1 on CUDA, 0 on
     CPU. distributed_timeout_s bounds every collective, so a dead peer is an error, not a hang.
+    use_compiled_graph: drive the workers through a Ray Compiled Graph (else actor calls).
     """
 
     model: str
@@ -43,6 +44,7 @@ class EngineConfig:
     num_cpus_per_worker: float | None = None
     num_gpus_per_worker: float | None = None
     distributed_timeout_s: float = 60.0
+    use_compiled_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -57,10 +57,14 @@ def test_tiny_parallel_layouts_match_one_worker(ray_cluster, tiny_model, kind: s
     path, _ = tiny_model(kind)
     prompts = [[(7 * i + j) % 150 + 3 for j in range(5 + 9 * i)] for i in range(4)]
     expected = _reference(str(path), prompts, 24)
-    for tp, pp in [(1, 1), *LAYOUTS]:
-        llm = AsyncLLM(str(path), num_blocks=256, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    # The last layout again through plain actor calls instead of the compiled graph.
+    for tp, pp, compiled in [(1, 1, True), *((t, p, True) for t, p in LAYOUTS), (2, 2, False)]:
+        llm = AsyncLLM(
+            str(path), num_blocks=256, tensor_parallel_size=tp, pipeline_parallel_size=pp, use_compiled_graph=compiled
+        )
         try:
-            assert _greedy_tokens(llm, prompts, 24) == expected, f"tp={tp} pp={pp}"
+            assert _greedy_tokens(llm, prompts, 24) == expected, f"tp={tp} pp={pp} compiled={compiled}"
+            assert asyncio.run(llm.stats()).compiled_graph == compiled
         finally:
             llm.shutdown()
 
