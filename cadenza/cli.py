@@ -100,6 +100,13 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_actors(args: argparse.Namespace) -> int:
+    from cadenza.bench_actors import run_actor_bench
+
+    run_actor_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description="Cadenza LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_offline_args(offline)
     offline.set_defaults(func=cmd_bench_offline)
+    actors = bench_sub.add_parser("actors", help="decode step time through the actors vs in-process")
+    actors.add_argument("--model", default=DEFAULT_MODEL)
+    actors.add_argument("--num-blocks", type=int, default=512)
+    from cadenza.bench_actors import add_actor_args
+
+    add_actor_args(actors)
+    actors.set_defaults(func=cmd_bench_actors)
     return parser
 
 

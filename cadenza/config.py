@@ -24,7 +24,9 @@ class EngineConfig:
     over tp * pp worker actors. num_cpus_per_worker: Ray CPUs (and torch threads) per worker,
     default the machine's cores shared evenly; num_gpus_per_worker: default 1 on CUDA, 0 on
     CPU. distributed_timeout_s bounds every collective, so a dead peer is an error, not a hang.
-    use_compiled_graph: drive the workers through a Ray Compiled Graph (else actor calls).
+    use_compiled_graph: drive the workers through a Ray Compiled Graph (else actor calls);
+    default on for CUDA, off on the CPU, where its polling channels take a core from the
+    model (measured: +60% step time at batch 32 on 2 cores, vs +1% for actor calls).
     """
 
     model: str
@@ -44,7 +46,7 @@ class EngineConfig:
     num_cpus_per_worker: float | None = None
     num_gpus_per_worker: float | None = None
     distributed_timeout_s: float = 60.0
-    use_compiled_graph: bool = True
+    use_compiled_graph: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -61,6 +63,12 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+
+    @property
+    def compiled_graph(self) -> bool:
+        if self.use_compiled_graph is None:
+            return self.device.startswith("cuda")
+        return self.use_compiled_graph
 
     @property
     def world_size(self) -> int:

@@ -100,9 +100,10 @@ def test_bad_input_is_refused_and_others_carry_on(async_smollm: AsyncLLM) -> Non
     asyncio.run(run())
 
 
-def test_killed_worker_fails_in_flight_requests_then_recovers(ray_cluster, tiny_model) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["actor_calls", "compiled_graph"])
+def test_killed_worker_fails_in_flight_requests_then_recovers(ray_cluster, tiny_model, compiled: bool) -> None:
     path, _ = tiny_model("llama_gqa_tied")
-    llm = AsyncLLM(str(path), num_blocks=256, tensor_parallel_size=2)
+    llm = AsyncLLM(str(path), num_blocks=256, tensor_parallel_size=2, use_compiled_graph=compiled)
     long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
 
     async def in_flight(started: asyncio.Event) -> BaseException | None:
@@ -128,7 +129,7 @@ def test_killed_worker_fails_in_flight_requests_then_recovers(ray_cluster, tiny_
             last = delta
         assert last.finished and last.outputs[0].finish_reason == "length"
         stats = await llm.stats()
-        assert stats.num_worker_restarts == 1 and stats.num_workers == 2
+        assert stats.num_worker_restarts == 1 and stats.num_workers == 2 and stats.compiled_graph == compiled
 
     try:
         asyncio.run(run())
