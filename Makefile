@@ -1,4 +1,4 @@
-# Cadenza: `make test` and `make chat` create .venv when it is missing.
+# Cadenza: `make serve`, `make test` and `make chat` create .venv when it is missing.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL ?= SmolLM2-135M-Instruct
 
-.PHONY: test lint chat bench clean env
+.PHONY: test lint chat serve bench clean env chromium
 
 $(BIN)/.ready: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -24,14 +24,22 @@ env: $(BIN)/.ready
 lint: env
 	$(BIN)/ruff check .
 
-test: env lint
+test: env lint chromium
 	$(BIN)/pytest -q tests
+
+# The chat-page test drives Debian's headless Chromium (Playwright's own browsers are not used).
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
+serve: env
+	$(BIN)/cadenza serve --model $(MODEL) --host 127.0.0.1 --port 8000
 
 chat: env
 	$(BIN)/cadenza chat --model $(MODEL)
 
 bench: env
 	$(BIN)/cadenza bench offline --model $(MODEL) --baseline hf
+	$(BIN)/cadenza bench actors --model $(MODEL)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -107,6 +107,13 @@ def cmd_bench_actors(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cadenza.gateway.server import run_server
+
+    run_server(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description="Cadenza LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat, temperature=0.7)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="the websocket gateway and chat page over the actor runtime")
+    _engine_args(serve)
+    from cadenza.gateway.server import add_serve_args
+
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks printing JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline = bench_sub.add_parser("offline", help="offline throughput, TTFT/TPOT and the machine's limits")

@@ -1,0 +1,150 @@
+"""OpenAI Responses over WebSocket: the client events we accept (msgspec, validated on decode)
+and builders for the server events we send, shaped as the `openai` package's models.
+
+Client events: `response.create` (the POST /v1/responses fields at top level, plus the
+lane `stream_id`), `response.steer`, and Cadenza's `response.cancel`. Fields we do not
+use (tools, metadata, ...) are ignored, as the REST API ignores what a model cannot do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+
+Json = dict[str, Any]
+EXTRA_KEY = "cadenza"  # namespaced extras on server events; OpenAI clients keep and ignore them
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class InputMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart]
+    type: str = "message"
+
+
+Input = str | list[InputMessage]
+
+
+class ResponseCreate(msgspec.Struct, tag="response.create", tag_field="type"):
+    model: str | None = None
+    input: Input | None = None
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    previous_response_id: str | None = None
+    stream_id: str | None = None
+
+
+class ResponseSteer(msgspec.Struct, tag="response.steer", tag_field="type"):
+    previous_response_id: str
+    input: Input
+
+
+class ResponseCancel(msgspec.Struct, tag="response.cancel", tag_field="type"):
+    response_id: str
+
+
+ClientEvent = ResponseCreate | ResponseSteer | ResponseCancel
+_decoder = msgspec.json.Decoder(ClientEvent)
+encode = msgspec.json.Encoder().encode
+
+
+def decode_client_event(frame: str | bytes) -> ClientEvent:
+    """Raises ValueError with a message that names the bad field."""
+    try:
+        return _decoder.decode(frame)
+    except msgspec.DecodeError as e:
+        if "Invalid value" in str(e) and "$.type" in str(e):
+            raise ValueError(f"unknown event type: {e}") from None
+        raise ValueError(f"malformed event: {e}") from None
+
+
+def input_messages(value: Input | None) -> list[dict[str, str]]:
+    """Client input as chat messages: a string is one user message; parts are joined."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages = []
+    for m in value:
+        if m.role not in ("user", "assistant", "system", "developer"):
+            raise ValueError(f"unsupported input role {m.role!r}")
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            bad = [p.type for p in m.content if p.type not in ("input_text", "output_text", "text")]
+            if bad:
+                raise ValueError(f"unsupported content part type {bad[0]!r}: this server takes text only")
+            text = "".join(p.text or "" for p in m.content)
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return messages
+
+
+def error_event(message: str, code: str, status: int = 400, param: str | None = None, **extra: Any) -> Json:
+    kind = {429: "rate_limit_error", 401: "authentication_error", 403: "permission_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    return {
+        "type": "error",
+        "status": status,
+        "error": {"type": kind, "code": code, "message": message, "param": param, **extra},
+    }
+
+
+def response_object(
+    response_id: str,
+    model: str,
+    status: str,
+    create: ResponseCreate,
+    output: list[Json],
+    created_at: float,
+    **fields: Any,
+) -> Json:
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(created_at),
+        "model": model,
+        "status": status,
+        "output": output,
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "instructions": create.instructions,
+        "previous_response_id": create.previous_response_id,
+        "max_output_tokens": create.max_output_tokens,
+        "temperature": create.temperature,
+        "top_p": create.top_p,
+        **fields,
+    }
+
+
+def message_item(item_id: str, text: str, status: str) -> Json:
+    content = [text_part(text)] if status != "in_progress" else []
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def text_part(text: str) -> Json:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def usage(input_tokens: int, cached_tokens: int, output_tokens: int) -> Json:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,47 @@
+"""Recent responses, kept so `previous_response_id` can continue a conversation.
+
+A stored response holds the whole conversation up to and including its own output; a
+continuation renders that plus the new input through the chat template, so the earlier
+turns are an exact token prefix and come out of the engine's prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    response_id: str
+    messages: list[Message]
+    stored_at: float = field(default_factory=time.monotonic)
+
+
+class ResponseStore:
+    def __init__(self, max_size: int, ttl_s: float) -> None:
+        self.max_size = max_size
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response_id: str, messages: list[Message]) -> None:
+        self._items[response_id] = StoredResponse(response_id, messages)
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.max_size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        item = self._items.get(response_id)
+        if item is None:
+            return None
+        if time.monotonic() - item.stored_at > self.ttl_s:
+            del self._items[response_id]
+            return None
+        self._items.move_to_end(response_id)
+        return item
+
+    def __len__(self) -> int:
+        return len(self._items)

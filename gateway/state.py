@@ -1,0 +1,101 @@
+"""What every connection shares: the engine client, settings, admission, the response store,
+and the turning of a `response.create` into prompt token ids and sampling parameters."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from cadenza.gateway.admission import Admission
+from cadenza.gateway.protocol import ResponseCreate, input_messages
+from cadenza.gateway.response_store import Message, ResponseStore
+from cadenza.gateway.settings import GatewaySettings
+
+from cadenza.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A client mistake, reported as an `error` event (or HTTP 4xx) with code and param."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass(slots=True)
+class PreparedResponse:
+    response_id: str
+    messages: list[Message]  # the conversation so far, this response's input included
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class GatewayState:
+    def __init__(self, engine: Any, model_name: str, settings: GatewaySettings) -> None:
+        self.engine = engine  # cadenza.AsyncLLM, or anything with its generate/stats/check_health
+        self.model_name = model_name
+        self.settings = settings
+        self.admission = Admission(settings)
+        self.store = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
+        self.tokenizer = engine.get_tokenizer()
+
+    def prepare(self, create: ResponseCreate, response_id: str | None = None) -> PreparedResponse:
+        if create.model is not None and create.model != self.model_name:
+            raise RequestError(
+                f"model {create.model!r} is not served here; this server serves {self.model_name!r}",
+                "model_not_found",
+                "model",
+            )
+        try:
+            new = input_messages(create.input)
+        except ValueError as e:
+            raise RequestError(str(e), "invalid_input", "input") from None
+        if not new or not any(m["content"] for m in new):
+            raise RequestError("input is required and must not be empty", "missing_input", "input")
+        messages = self._history(create.previous_response_id) + new
+        system = [{"role": "system", "content": create.instructions}] if create.instructions else []
+        text = self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True)
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        params = self._params(create, len(prompt_ids))
+        return PreparedResponse(response_id or new_id("resp"), messages, prompt_ids, params)
+
+    def _history(self, previous_response_id: str | None) -> list[Message]:
+        if previous_response_id is None:
+            return []
+        stored = self.store.get(previous_response_id)
+        if stored is None:
+            raise RequestError(
+                f"previous response {previous_response_id!r} not found (responses are kept for "
+                f"{self.settings.response_store_ttl_s:.0f} s, at most {self.settings.response_store_size})",
+                "previous_response_not_found",
+                "previous_response_id",
+            )
+        return list(stored.messages)
+
+    def _params(self, create: ResponseCreate, prompt_len: int) -> SamplingParams:
+        context = self.engine.max_model_len
+        room = context - prompt_len
+        if room < 1:
+            raise RequestError(
+                f"the input is {prompt_len} tokens; this model's context is {context} tokens",
+                "context_length_exceeded",
+                "input",
+            )
+        if create.max_output_tokens is not None and create.max_output_tokens > room:
+            raise RequestError(
+                f"input ({prompt_len} tokens) plus max_output_tokens ({create.max_output_tokens}) exceeds "
+                f"the context of {context} tokens",
+                "context_length_exceeded",
+                "max_output_tokens",
+            )
+        return SamplingParams(
+            max_tokens=create.max_output_tokens or min(self.settings.default_max_output_tokens, room),
+            temperature=1.0 if create.temperature is None else create.temperature,
+            top_p=1.0 if create.top_p is None else create.top_p,
+            logprobs=create.top_logprobs,
+        )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"

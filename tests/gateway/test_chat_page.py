@@ -1,0 +1,49 @@
+"""The chat page at / in headless Chromium (Debian's), driven through Playwright."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import API_KEY, ARTIFACTS
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "headless Chromium is needed: apt-get install chromium (make test does it)"
+    return path
+
+
+@pytest.mark.slow
+def test_chat_page_streams_two_turns_and_stops(server) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.goto(f"{server.http}/?key={API_KEY}")
+        expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+        stored = server.get("/stats")["gateway"]["stored_responses"]
+
+        for turn, question in enumerate(["What is 2 + 2?", "And what is 3 + 3?"], start=1):
+            page.fill("#input", question)
+            page.keyboard.press("Enter")
+            reply = page.locator(".msg.assistant").nth(turn - 1)
+            expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
+            assert len(reply.inner_text()) > len(reply.locator(".meta").inner_text())
+        expect(page.locator(".msg.user")).to_have_count(2)
+        assert server.get("/stats")["gateway"]["stored_responses"] >= stored + 2
+
+        page.fill("#input", "Write a very long story about a castle and its many rooms.")
+        page.keyboard.press("Enter")
+        reply = page.locator(".msg.assistant").nth(2)
+        expect(reply).to_contain_text(" ", timeout=120_000)  # a few words streamed in
+        page.click("#stop")
+        expect(reply.locator(".meta")).to_contain_text("cancelled", timeout=30_000)
+        expect(page.locator("#send")).to_be_enabled()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
+        browser.close()
+    assert (ARTIFACTS / "chat_page.png").stat().st_size > 0

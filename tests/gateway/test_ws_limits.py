@@ -1,0 +1,165 @@
+"""Admission limits of the gateway, over a real uvicorn socket, with a paced engine: the
+limits are about counting, so the engine here only has to hold responses open on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+import websockets
+from cadenza.gateway.app import build_app
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
+from conftest import free_port
+
+from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+class PacedEngine:
+    """Emits token 42 every `pace` seconds until max_tokens: an engine-shaped clock."""
+
+    max_model_len = 2048
+
+    def __init__(self, pace: float) -> None:
+        self.pace = pace
+        self.tokenizer = load_tokenizer(*read_model(DEFAULT_MODEL))
+        self.running = 0
+
+    def get_tokenizer(self):  # noqa: ANN201
+        return self.tokenizer
+
+    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[RequestOutput]:  # noqa: ANN001
+        self.running += 1
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(self.pace)
+                last = i == params.max_tokens - 1
+                out = CompletionOutput(0, "a", [42], None, None, "length" if last else None)
+                yield RequestOutput(request_id, None, [], None, [out], last, 0, [RequestMetrics(time.time())])
+        finally:
+            self.running -= 1
+
+    async def check_health(self) -> None:
+        return None
+
+    async def stats(self) -> dict:
+        return {"running": self.running}
+
+
+@pytest.fixture(scope="module")
+def paced() -> Iterator[tuple[str, PacedEngine]]:
+    engine = PacedEngine(pace=0.05)
+    settings = GatewaySettings(
+        port=free_port(),
+        max_concurrent_requests=4,
+        max_queued_requests=2,
+        max_responses_per_socket=3,
+        max_sockets_per_client=5,
+    )
+    config = uvicorn.Config(
+        build_app(engine, DEFAULT_MODEL, settings), port=settings.port, ws="websockets-sansio", log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"ws://127.0.0.1:{settings.port}/v1/responses", engine
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _create(lane: str, tokens: int = 40) -> str:
+    return json.dumps({"type": "response.create", "input": "hi", "max_output_tokens": tokens, "stream_id": lane})
+
+
+async def _errors(ws, wanted: int, timeout: float = 10) -> list[dict]:  # noqa: ANN001
+    found = []
+    async with asyncio.timeout(timeout):
+        while len(found) < wanted:
+            ev = json.loads(await ws.recv())
+            if ev["type"] == "error":
+                found.append(ev)
+    return found
+
+
+async def _drained(engine: PacedEngine) -> None:
+    """Responses of earlier tests end when their sockets close; wait for that."""
+    async with asyncio.timeout(5):
+        while engine.running:
+            await asyncio.sleep(0.02)
+
+
+def test_per_socket_cap_refuses_the_extra_response(paced) -> None:
+    url, _ = paced
+
+    async def run() -> list[dict]:
+        async with websockets.connect(url) as ws:
+            for lane in "abcd":  # the 4th exceeds max_responses_per_socket=3
+                await ws.send(_create(lane))
+            return await _errors(ws, 1)
+
+    (error,) = asyncio.run(run())
+    assert error["error"]["code"] == "too_many_responses" and error["stream_id"] == "d"
+    assert error["status"] == 429
+
+
+def test_server_capacity_refuses_before_work_with_a_retry_hint(paced) -> None:
+    url, engine = paced
+
+    async def run() -> tuple[list[dict], int]:
+        await _drained(engine)
+        async with websockets.connect(url) as a, websockets.connect(url) as b, websockets.connect(url) as c:
+            for ws, lanes in ((a, "abc"), (b, "def")):  # 6 = max_concurrent 4 + max_queued 2
+                for lane in lanes:
+                    await ws.send(_create(lane))
+            await asyncio.sleep(0.3)
+            await c.send(_create("g"))
+            errors = await _errors(c, 1)
+            return errors, engine.running
+
+    errors, running = asyncio.run(run())
+    assert errors[0]["error"]["code"] == "server_overloaded"
+    assert errors[0]["error"]["retry_after_ms"] > 0 and errors[0]["status"] == 429
+    assert running == 6  # the refused one never reached the engine
+
+
+def test_sockets_per_client_cap(paced) -> None:
+    url, _ = paced
+
+    async def run() -> dict:
+        sockets = [await websockets.connect(url) for _ in range(5)]
+        try:
+            async with websockets.connect(url) as extra:
+                return json.loads(await extra.recv())
+        finally:
+            for ws in sockets:
+                await ws.close()
+
+    refused = asyncio.run(run())
+    assert refused["error"]["code"] == "too_many_sockets"
+
+
+def test_cancel_stops_a_running_response(paced) -> None:
+    url, engine = paced
+
+    async def run() -> dict:
+        async with websockets.connect(url) as ws:
+            await ws.send(_create("a", tokens=400))
+            while True:
+                ev = json.loads(await ws.recv())
+                if ev["type"] == "response.created":
+                    response_id = ev["response"]["id"]
+                if ev["type"] == "response.output_text.delta":
+                    await ws.send(json.dumps({"type": "response.cancel", "response_id": response_id}))
+                if ev["type"].startswith("response.incomplete"):
+                    return ev
+
+    final = asyncio.run(run())
+    assert final["response"]["status"] == "cancelled"
+    assert final["response"]["usage"]["output_tokens"] < 400
