@@ -10,12 +10,16 @@ import pytest
 import websockets
 from conftest import API_KEY, MAX_FRAME_BYTES
 from openai import AsyncOpenAI
+from openai.types.responses.responses_server_event import ResponsesServerEvent
+from pydantic import TypeAdapter
 
 from cadenza import SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+# The SDK itself falls back to unvalidated models; the tests validate strictly.
+SERVER_EVENT = TypeAdapter(ResponsesServerEvent)
 
 
 def _client(server) -> AsyncOpenAI:
@@ -163,9 +167,11 @@ def test_closed_socket_aborts_and_frees_blocks(server) -> None:
     assert server.get("/stats")["gateway"]["in_flight"] == 0
 
 
-async def _first_event(ws_url: str, frame: str | bytes, headers: dict | None = None) -> dict:
+async def _first_event(ws_url: str, frame: str | bytes | None, headers: dict | None = None) -> dict:
+    """The first event after sending frame (None: a refused handshake speaks first)."""
     async with websockets.connect(ws_url, additional_headers=headers or AUTH, max_size=None) as ws:
-        await ws.send(frame)
+        if frame is not None:
+            await ws.send(frame)
         return json.loads(await ws.recv())
 
 
@@ -202,8 +208,8 @@ def test_bad_input_gets_clear_errors_while_another_stream_goes_on(server, smollm
         for name, (frame, _) in cases.items():
             errors[name] = await _first_event(server.ws, frame)
         refused = [
-            await _first_event(server.ws, json.dumps(create), {"Authorization": "Bearer wrong"}),
-            await _first_event(server.ws, json.dumps(create), {**AUTH, "Origin": "http://evil.example"}),
+            await _first_event(server.ws, None, {"Authorization": "Bearer wrong"}),
+            await _first_event(server.ws, None, {**AUTH, "Origin": "http://evil.example"}),
         ]
         return await good, errors, refused
 
@@ -211,6 +217,7 @@ def test_bad_input_gets_clear_errors_while_another_stream_goes_on(server, smollm
     assert text == expected
     for name, (_, code) in cases.items():
         assert errors[name]["type"] == "error", name
+        SERVER_EVENT.validate_python(errors[name])
         assert errors[name]["error"]["code"] == code, (name, errors[name])
         assert errors[name]["error"]["message"], name
     assert errors["mistyped"]["error"]["message"].endswith("$.max_output_tokens`")
@@ -240,6 +247,7 @@ def test_64_concurrent_responses_complete_with_correct_text(server, smollm) -> N
             while done < len(batch):
                 ev = json.loads(await ws.recv())
                 assert ev["type"] != "error", ev
+                assert SERVER_EVENT.validate_python(ev).type == ev["type"]  # strict, the SDK's own models
                 if ev["type"] == "response.output_text.delta":
                     texts[int(ev["stream_id"])] += ev["delta"]
                 done += ev["type"] in TERMINAL
