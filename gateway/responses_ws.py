@@ -46,6 +46,7 @@ class ResponsesSocket:
         self.state = state
         self.lanes: dict[str | None, Lane] = {}
         self.active: dict[str, Job] = {}  # response id -> running job
+        self.job_tasks: set[asyncio.Task[None]] = set()  # started jobs, from their first moment
         self.pending = 0  # responses admitted on this socket and not yet finished
         self.seq = 0
         self.send_lock = asyncio.Lock()
@@ -130,9 +131,11 @@ class ResponsesSocket:
                 await lane.wake.wait()
             job = lane.jobs.popleft()
             job.task = asyncio.get_running_loop().create_task(self.run_job(job))
+            self.job_tasks.add(job.task)
             try:
-                await asyncio.shield(job.task)
+                await asyncio.shield(job.task)  # a cancelled response must not end its lane
             finally:
+                self.job_tasks.discard(job.task)
                 self.pending -= 1
                 self.state.admission.release()
 
@@ -175,7 +178,7 @@ class ResponsesSocket:
                 self.state.admission.release()
             lane.jobs.clear()
         tasks = [lane.runner for lane in self.lanes.values() if lane.runner]
-        tasks += [job.task for job in self.active.values() if job.task]
+        tasks += list(self.job_tasks)  # including jobs created but not yet started
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -151,6 +151,8 @@ def test_dead_engine_is_a_clear_error_and_a_new_client_works(ray_cluster, tiny_m
                 pass
         with pytest.raises(EngineDeadError):
             await llm.generate({"prompt_token_ids": [4, 5]}, params).__anext__()
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()  # what the gateway's /health turns into a 503
 
     asyncio.run(run())
     again = AsyncLLM(str(path), num_blocks=64)

@@ -7,6 +7,8 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -29,6 +31,7 @@ class PacedEngine:
         self.pace = pace
         self.tokenizer = load_tokenizer(*read_model(DEFAULT_MODEL))
         self.running = 0
+        self.problem: str | None = None
 
     def get_tokenizer(self):  # noqa: ANN201
         return self.tokenizer
@@ -45,14 +48,15 @@ class PacedEngine:
             self.running -= 1
 
     async def check_health(self) -> None:
-        return None
+        if self.problem:
+            raise RuntimeError(self.problem)
 
     async def stats(self) -> dict:
         return {"running": self.running}
 
 
 @pytest.fixture(scope="module")
-def paced() -> Iterator[tuple[str, PacedEngine]]:
+def paced() -> Iterator[tuple[str, PacedEngine, int]]:
     engine = PacedEngine(pace=0.05)
     settings = GatewaySettings(
         port=free_port(),
@@ -69,7 +73,7 @@ def paced() -> Iterator[tuple[str, PacedEngine]]:
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"ws://127.0.0.1:{settings.port}/v1/responses", engine
+    yield f"ws://127.0.0.1:{settings.port}/v1/responses", engine, settings.port
     server.should_exit = True
     thread.join(timeout=10)
 
@@ -96,7 +100,7 @@ async def _drained(engine: PacedEngine) -> None:
 
 
 def test_per_socket_cap_refuses_the_extra_response(paced) -> None:
-    url, _ = paced
+    url, _, _ = paced
 
     async def run() -> list[dict]:
         async with websockets.connect(url) as ws:
@@ -110,7 +114,7 @@ def test_per_socket_cap_refuses_the_extra_response(paced) -> None:
 
 
 def test_server_capacity_refuses_before_work_with_a_retry_hint(paced) -> None:
-    url, engine = paced
+    url, engine, _ = paced
 
     async def run() -> tuple[list[dict], int]:
         await _drained(engine)
@@ -130,7 +134,7 @@ def test_server_capacity_refuses_before_work_with_a_retry_hint(paced) -> None:
 
 
 def test_sockets_per_client_cap(paced) -> None:
-    url, _ = paced
+    url, _, _ = paced
 
     async def run() -> dict:
         sockets = [await websockets.connect(url) for _ in range(5)]
@@ -146,7 +150,7 @@ def test_sockets_per_client_cap(paced) -> None:
 
 
 def test_cancel_stops_a_running_response(paced) -> None:
-    url, engine = paced
+    url, engine, _ = paced
 
     async def run() -> dict:
         async with websockets.connect(url) as ws:
@@ -163,3 +167,18 @@ def test_cancel_stops_a_running_response(paced) -> None:
     final = asyncio.run(run())
     assert final["response"]["status"] == "cancelled"
     assert final["response"]["usage"]["output_tokens"] < 400
+
+
+def test_health_is_503_with_the_reason_when_the_engine_cannot_serve(paced) -> None:
+    _, engine, port = paced
+    url = f"http://127.0.0.1:{port}/health"
+    with urllib.request.urlopen(url) as r:
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    engine.problem = "the engine actor died"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url)
+        assert refused.value.code == 503
+        assert json.loads(refused.value.read())["error"] == "the engine actor died"
+    finally:
+        engine.problem = None
