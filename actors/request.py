@@ -33,6 +33,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_sent_tokens = 0  # tokens the model runners hold for this request
+        self.queue_time: float | None = None  # arrival to first admission, seconds
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -4,6 +4,7 @@ waiting ones in (priority, arrival) order, prompts chunked to fit, preemption by
 from __future__ import annotations
 
 import bisect
+import time
 
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.request import Request, RequestStatus
@@ -131,6 +132,7 @@ class Scheduler:
         self.kv.record_lookup(req, num_hit)
         if req.status == RequestStatus.WAITING:  # first admission, not a resume
             req.num_cached_tokens = num_hit
+            req.queue_time = time.time() - req.arrival_time
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
@@ -181,6 +183,7 @@ class Scheduler:
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_tokens,
             num_prompt_tokens=req.num_prompt_tokens,
+            queue_time=req.queue_time,
         )
 
     def _finish(self, req: Request) -> None:

@@ -114,6 +114,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from cadenza.bench_serve import run_serve_bench
+
+    run_serve_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description="Cadenza LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_actor_args(actors)
     actors.set_defaults(func=cmd_bench_actors)
+    serve_bench = bench_sub.add_parser("serve", help="TTFT / ITL / TPOT and throughput of a running server")
+    from cadenza.bench_serve import add_serve_bench_args
+
+    add_serve_bench_args(serve_bench)
+    serve_bench.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -93,3 +93,4 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduling, once known

@@ -50,6 +50,8 @@ class SequenceState:
 
     def _record_time(self, out: EngineOutput) -> None:
         now = time.time()
+        if out.queue_time is not None:
+            self.metrics.queue_time = out.queue_time
         if out.new_token_ids:
             self.metrics.first_token_time = self.metrics.first_token_time or now
             self.metrics.last_token_time = now

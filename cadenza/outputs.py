@@ -22,6 +22,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    queue_time: float | None = None  # engine-side: arrival to first scheduling
 
     @property
     def ttft(self) -> float | None:

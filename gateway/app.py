@@ -1,4 +1,5 @@
-"""The ASGI app: the chat page, /health, /stats and the /v1/responses websocket.
+"""The ASGI app: the chat page, /health, /stats, the /v1/responses websocket and the
+OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models).
 
 The same app is what `cadenza serve` runs on uvicorn and what Ray Serve will mount.
 """
@@ -10,10 +11,14 @@ from importlib.resources import files
 from typing import Any
 
 import msgspec
+from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
 from cadenza.gateway.responses_ws import ResponsesSocket
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
+from cadenza.gateway.tracing import Tracing, provider_from_env
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -24,8 +29,11 @@ from starlette.websockets import WebSocket
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 
-def build_app(engine: Any, model_name: str, settings: GatewaySettings) -> Starlette:
-    state = GatewayState(engine, model_name, settings)
+def build_app(
+    engine: Any, model_name: str, settings: GatewaySettings, tracer_provider: TracerProvider | None = None
+) -> Starlette:
+    """tracer_provider: where request spans go (default: as the OTEL_* variables say, else off)."""
+    state = GatewayState(engine, model_name, settings, Tracing(tracer_provider or provider_from_env()))
     page = files("cadenza.gateway").joinpath("static/chat.html").read_text()
 
     async def index(request: Request) -> Response:
@@ -43,13 +51,21 @@ def build_app(engine: Any, model_name: str, settings: GatewaySettings) -> Starle
         gateway = {"in_flight": state.admission.in_flight, "stored_responses": len(state.store)}
         return JSONResponse({"engine": engine_stats, "gateway": gateway})
 
+    async def metrics(request: Request) -> Response:
+        return Response(await state.metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+
     async def responses(ws: WebSocket) -> None:
         await handle_socket(ws, state)
 
+    http = OpenAIHttp(state)
     routes = [
         Route("/", index),
+        Route("/v1/models", http.models),
+        Route("/v1/chat/completions", http.chat_completions, methods=["POST"]),
+        Route("/v1/completions", http.completions, methods=["POST"]),
         Route("/health", health),
         Route("/stats", stats),
+        Route("/metrics", metrics),
         WebSocketRoute("/v1/responses", responses),
     ]
     app = Starlette(routes=routes)

@@ -17,6 +17,7 @@ from typing import Any
 
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.observe import Observation
 from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -227,6 +228,9 @@ class ResponseRun:
         self.token_ids: list[int] = []
         self.cached_tokens = 0
         self.first_token_at: float | None = None
+        state = socket.state
+        self.observation = Observation(state.metrics, state.tracing, "chat", socket.ws.headers, prepared.params)
+        self.observation.span.messages(prepared.messages)
 
     def response(self, status: str, output: list[p.Json], **fields: Any) -> p.Json:
         r = p.response_object(
@@ -254,8 +258,11 @@ class ResponseRun:
         except asyncio.CancelledError:
             finish = "steered" if self.job.steer_input is not None else "cancelled"
         except (RequestFailedError, EngineDeadError, ValueError) as e:
+            self.observation.fail(e)
             await self.fail(str(e))
             return
+        prompt_tokens = len(self.prepared.prompt_ids)
+        self.observation.finish(self.prepared.response_id, [finish], prompt_tokens, self.text)
         await self.finish(finish, item)
 
     async def stream(self, item: p.Json) -> str:
@@ -266,6 +273,7 @@ class ResponseRun:
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
                 out = delta.outputs[0]
+                self.observation.delta(delta)
                 self.cached_tokens = delta.num_cached_tokens
                 self.token_ids += out.token_ids
                 if out.token_ids and self.first_token_at is None:

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadenza.gateway.admission import Admission
+from cadenza.gateway.metrics import Metrics
 from cadenza.gateway.protocol import ResponseCreate, input_messages
 from cadenza.gateway.response_store import Message, ResponseStore
 from cadenza.gateway.settings import GatewaySettings
+from cadenza.gateway.tracing import Tracing
 
 from cadenza.sampling_params import SamplingParams
 
@@ -32,13 +34,15 @@ class PreparedResponse:
 
 
 class GatewayState:
-    def __init__(self, engine: Any, model_name: str, settings: GatewaySettings) -> None:
+    def __init__(self, engine: Any, model_name: str, settings: GatewaySettings, tracing: Tracing) -> None:
         self.engine = engine  # cadenza.AsyncLLM, or anything with its generate/stats/check_health
         self.model_name = model_name
         self.settings = settings
         self.admission = Admission(settings)
         self.store = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
         self.tokenizer = engine.get_tokenizer()
+        self.metrics = Metrics(model_name)
+        self.tracing = tracing
 
     def prepare(self, create: ResponseCreate, response_id: str | None = None) -> PreparedResponse:
         if create.model is not None and create.model != self.model_name:

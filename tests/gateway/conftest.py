@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import uvicorn
+from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
+
+from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 API_KEY = "test-key"
 MAX_FRAME_BYTES = 65536
@@ -46,6 +54,54 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, port: int) -> Iterator[None]:
+    """An ASGI app on uvicorn in a thread of this process (for tests that need its insides)."""
+    config = uvicorn.Config(app, port=port, ws="websockets-sansio", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+class PacedEngine:
+    """Emits token 42 every `pace` seconds until max_tokens: an engine-shaped clock."""
+
+    max_model_len = 2048
+
+    def __init__(self, pace: float) -> None:
+        self.pace = pace
+        self.tokenizer = load_tokenizer(*read_model(DEFAULT_MODEL))
+        self.running = 0
+        self.problem: str | None = None
+
+    def get_tokenizer(self):  # noqa: ANN201
+        return self.tokenizer
+
+    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[RequestOutput]:  # noqa: ANN001
+        self.running += 1
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(self.pace)
+                last = i == params.max_tokens - 1
+                out = CompletionOutput(0, "a", [42], None, None, "length" if last else None)
+                metrics = RequestMetrics(time.time(), queue_time=0.01)
+                yield RequestOutput(request_id, None, [], None, [out], last, 0, [metrics])
+        finally:
+            self.running -= 1
+
+    async def check_health(self) -> None:
+        if self.problem:
+            raise RuntimeError(self.problem)
+
+    async def stats(self) -> dict:
+        return {"running": self.running}
 
 
 @pytest.fixture(scope="session")

@@ -5,54 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
-import uvicorn
 import websockets
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
-from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
-from conftest import free_port
-
-from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-
-class PacedEngine:
-    """Emits token 42 every `pace` seconds until max_tokens: an engine-shaped clock."""
-
-    max_model_len = 2048
-
-    def __init__(self, pace: float) -> None:
-        self.pace = pace
-        self.tokenizer = load_tokenizer(*read_model(DEFAULT_MODEL))
-        self.running = 0
-        self.problem: str | None = None
-
-    def get_tokenizer(self):  # noqa: ANN201
-        return self.tokenizer
-
-    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[RequestOutput]:  # noqa: ANN001
-        self.running += 1
-        try:
-            for i in range(params.max_tokens):
-                await asyncio.sleep(self.pace)
-                last = i == params.max_tokens - 1
-                out = CompletionOutput(0, "a", [42], None, None, "length" if last else None)
-                yield RequestOutput(request_id, None, [], None, [out], last, 0, [RequestMetrics(time.time())])
-        finally:
-            self.running -= 1
-
-    async def check_health(self) -> None:
-        if self.problem:
-            raise RuntimeError(self.problem)
-
-    async def stats(self) -> dict:
-        return {"running": self.running}
+from cadenza.models.loader import DEFAULT_MODEL
+from conftest import PacedEngine, free_port, serve_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +27,8 @@ def paced() -> Iterator[tuple[str, PacedEngine, int]]:
         max_responses_per_socket=3,
         max_sockets_per_client=5,
     )
-    config = uvicorn.Config(
-        build_app(engine, DEFAULT_MODEL, settings), port=settings.port, ws="websockets-sansio", log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"ws://127.0.0.1:{settings.port}/v1/responses", engine, settings.port
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(build_app(engine, DEFAULT_MODEL, settings), settings.port):
+        yield f"ws://127.0.0.1:{settings.port}/v1/responses", engine, settings.port
 
 
 def _create(lane: str, tokens: int = 40) -> str:

@@ -1,0 +1,52 @@
+"""One request's observation: Prometheus latencies and token counts plus its trace span,
+fed the same deltas the client gets, so both paths (HTTP and websocket) report alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from cadenza.gateway.metrics import Metrics
+from cadenza.gateway.tracing import Tracing
+
+from cadenza.outputs import RequestOutput
+
+
+class Observation:
+    def __init__(
+        self, metrics: Metrics, tracing: Tracing, operation: str, headers: Mapping[str, str], params: Any
+    ) -> None:
+        self.arrival = time.time()
+        self.recorder = metrics.request()
+        self.model = metrics.model_name
+        self.span = tracing.request(operation, self.model, headers, params)
+        self.first_token_at: float | None = None
+        self.queue_time: float | None = None
+        self.output_tokens = 0
+        self.done = False
+
+    def delta(self, out: RequestOutput) -> None:
+        now = time.time()
+        count = sum(len(c.token_ids) for c in out.outputs)
+        if count and self.first_token_at is None:
+            self.first_token_at = now
+        self.output_tokens += count
+        self.recorder.tokens(count, now, self.arrival)
+        queue_times = [m.queue_time for m in out.metrics if m.queue_time is not None]
+        self.queue_time = queue_times[0] if queue_times else self.queue_time
+
+    def finish(self, response_id: str, reasons: list[str], prompt_tokens: int, text: str | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.time()
+        self.recorder.finish(reasons[0] if reasons else "abort", prompt_tokens, now, self.arrival, self.queue_time)
+        times = (self.arrival, self.queue_time, self.first_token_at, now)
+        self.span.finish(response_id, self.model, reasons, (prompt_tokens, self.output_tokens), times, text)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.done = True
+            self.recorder.finish("error", 0, time.time(), self.arrival, self.queue_time)
+            self.span.fail(error)

@@ -1,0 +1,263 @@
+"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (SSE or whole), /v1/models.
+
+Same engine, API key, limits and error shape as the websocket. Over capacity is a 429
+with Retry-After before any work starts; a client that disconnects mid-stream has its
+request aborted (the SSE generator is closed, which closes the engine stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.observe import Observation
+from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from cadenza.gateway.state import GatewayState, RequestError, new_id
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cadenza.async_llm import EngineDeadError, RequestFailedError
+from cadenza.outputs import RequestOutput
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+def error_response(status: int, message: str, code: str, param: str | None = None, **headers: str) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+def authorized(request: Request, state: GatewayState) -> bool:
+    key = state.settings.api_key
+    if key is None:
+        return True
+    auth = request.headers.get("authorization", "")
+    return auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].strip().encode(), key.encode())
+
+
+class OpenAIHttp:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def models(self, request: Request) -> Response:
+        if not authorized(request, self.state):
+            return error_response(401, "missing or wrong API key", "invalid_api_key")
+        card = {"id": self.state.model_name, "object": "model", "created": 0, "owned_by": "cadenza"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    async def _serve(self, request: Request, kind: type[Body], chat: bool) -> Response:
+        if not authorized(request, self.state):
+            return error_response(401, "missing or wrong API key", "invalid_api_key")
+        try:
+            body = msgspec.json.decode(await request.body(), type=kind)
+            prompt_ids, params = self._prepare(body, chat)
+        except msgspec.DecodeError as e:
+            return error_response(400, f"invalid request body: {e}", "invalid_request_body")
+        except RequestError as e:
+            status = 404 if e.code == "model_not_found" else 400
+            return error_response(status, str(e), e.code, e.param)
+        except ValueError as e:
+            return error_response(400, str(e), "invalid_request")
+        if not self.state.admission.try_acquire():
+            retry = str(max(1, RETRY_AFTER_MS // 1000))
+            message = "the server is at capacity; retry shortly"
+            return error_response(429, message, "server_overloaded", **{"Retry-After": retry})
+        run = _Run(self.state, body, chat, prompt_ids, params)
+        run.observation = Observation(
+            self.state.metrics, self.state.tracing, "chat" if chat else "text_completion", request.headers, params
+        )
+        if body.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream")
+        try:
+            return JSONResponse(await run.whole())
+        except (RequestFailedError, EngineDeadError) as e:
+            return error_response(500, str(e), "server_error")
+        except ValueError as e:
+            return error_response(400, str(e), "invalid_request")
+
+    def _prepare(self, body: Body, chat: bool) -> tuple[list[int], Any]:
+        state = self.state
+        if body.model is not None and body.model != state.model_name:
+            message = f"model {body.model!r} does not exist here; this server serves {state.model_name!r}"
+            raise RequestError(message, "model_not_found", "model")
+        tokenizer = state.tokenizer
+        if chat:
+            messages = [_chat_message(m) for m in body.messages]
+            if not messages:
+                raise RequestError("messages must not be empty", "invalid_request", "messages")
+            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True), add_special_tokens=False)
+        elif isinstance(body.prompt, str):
+            prompt_ids = tokenizer.encode(body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", "invalid_request", "prompt")
+        room = state.engine.max_model_len - len(prompt_ids)
+        wanted = body.requested_max_tokens
+        if room < 1 or (wanted is not None and wanted > room):
+            raise RequestError(
+                f"the prompt is {len(prompt_ids)} tokens and max_tokens {wanted}; the context is "
+                f"{state.engine.max_model_len} tokens",
+                "context_length_exceeded",
+                "messages" if chat else "prompt",
+            )
+        default = min(state.settings.default_max_output_tokens, room) if chat else min(16, room)
+        return prompt_ids, body.sampling_params(wanted or default, body.num_logprobs)
+
+
+def _chat_message(m: Any) -> dict[str, str]:
+    if m.role not in ("system", "user", "assistant", "developer"):
+        raise RequestError(f"unsupported message role {m.role!r}", "invalid_request", "messages")
+    if isinstance(m.content, list):
+        if any(p.type != "text" for p in m.content):
+            raise RequestError("only text content parts are supported", "invalid_request", "messages")
+        content = "".join(p.text or "" for p in m.content)
+    else:
+        content = m.content or ""
+    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+
+
+class _Run:
+    """One HTTP request's trip through the engine, as SSE chunks or one JSON body."""
+
+    def __init__(self, state: GatewayState, body: Body, chat: bool, prompt_ids: list[int], params: Any) -> None:
+        self.state, self.body, self.chat = state, body, chat
+        self.prompt_ids, self.params = prompt_ids, params
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.observation: Observation | None = None
+        self.reasons: dict[int, str] = {}
+        self.text = ""
+
+    async def _deltas(self) -> AsyncIterator[RequestOutput]:
+        stream = self.state.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, request_id=self.id)
+        obs = self.observation
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    out = delta.outputs[0]
+                    self.completion_tokens += len(out.token_ids)
+                    self.cached_tokens = delta.num_cached_tokens
+                    self.text += out.text if out.index == 0 else ""
+                    if out.finish_reason:
+                        self.reasons[out.index] = out.finish_reason
+                    obs.delta(delta)
+                    yield delta
+        except asyncio.CancelledError:  # the client went away: the request was aborted
+            obs.finish(self.id, ["abort"], len(self.prompt_ids), self.text)
+            raise
+        except BaseException as e:
+            obs.fail(e)
+            raise
+        finally:
+            self.state.admission.release()
+        reasons = [self.reasons[i] for i in sorted(self.reasons)]
+        obs.finish(self.id, reasons, len(self.prompt_ids), self.text)
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    async def whole(self) -> dict[str, Any]:
+        texts: dict[int, str] = {}
+        logprobs: dict[int, list] = {}
+        reasons: dict[int, str | None] = {}
+        async for delta in self._deltas():
+            out = delta.outputs[0]
+            texts[out.index] = texts.get(out.index, "") + out.text
+            logprobs.setdefault(out.index, []).extend(self._logprob_entries(out))
+            reasons[out.index] = out.finish_reason
+        choices = [self._choice(i, texts[i], logprobs[i], reasons[i], final=True) for i in sorted(texts)]
+        return self._envelope(choices, usage=self.usage())
+
+    async def sse(self) -> AsyncIterator[str]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        try:
+            if self.chat:  # OpenAI opens each choice with its role
+                for i in range(self.params.n):
+                    opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield _sse(self._envelope([{**opening, "logprobs": None}], chunk=True))
+            async for delta in self._deltas():
+                out = delta.outputs[0]
+                if not (out.text or out.finish_reason):
+                    continue
+                choice = self._choice(out.index, out.text, self._logprob_entries(out), out.finish_reason, final=False)
+                yield _sse(self._envelope([choice], chunk=True))
+            if include_usage:
+                yield _sse(self._envelope([], usage=self.usage(), chunk=True))
+        except (RequestFailedError, EngineDeadError, ValueError) as e:
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": "server_error"}})
+        yield "data: [DONE]\n\n"
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict[str, Any]:
+        obj = self.object + (".chunk" if chunk and self.chat else "")
+        model = self.state.model_name
+        body = {"id": self.id, "object": obj, "created": self.created, "model": model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def _choice(self, index: int, text: str, logprobs: list, reason: str | None, final: bool) -> dict[str, Any]:
+        finish = "length" if reason == "length" else ("stop" if reason else None)
+        wants = self.params.logprobs is not None
+        if self.chat:
+            lp = {"content": logprobs} if wants else None
+            key = "message" if final else "delta"
+            content = {"role": "assistant", "content": text} if final else {"content": text}
+            return {"index": index, key: content, "logprobs": lp, "finish_reason": finish}
+        lp = _completion_logprobs(logprobs) if wants else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def _logprob_entries(self, out: Any) -> list[dict[str, Any]]:
+        if not out.logprobs:
+            return []
+        entries = []
+        for token_id, position in zip(out.token_ids, out.logprobs):
+            # The chosen token plus the top-k, each once with its true rank: the k best by rank.
+            ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
+            entry = _token_entry(self.state, token_id, position[token_id].logprob)
+            entry["top_logprobs"] = [_token_entry(self.state, t, lp.logprob) for t, lp in ranked]
+            entries.append(entry)
+        return entries
+
+
+def _token_entry(state: GatewayState, token_id: int, logprob: float) -> dict[str, Any]:
+    text = state.tokenizer.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": [],
+    }
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
