@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 from typing import Any
 
+from cadenza.bench_report import report
 from cadenza.outputs import RequestMetrics
 from cadenza.sampling_params import SamplingParams
 
@@ -103,9 +103,4 @@ def run_actor_bench(args: argparse.Namespace) -> dict[str, Any]:
                 for b, t in run["step_ms"].items()
             },
         }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    return result
+    return report(result, args.output)

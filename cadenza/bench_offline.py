@@ -8,7 +8,6 @@ HF transformers on the same requests.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cadenza.bench_report import report
 from cadenza.models.loader import resolve_model_path
 from cadenza.sampling_params import SamplingParams
 
@@ -176,9 +176,4 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         hf["single_stream_fraction_of_bound"] = hf["single_stream_decode_tok_s"] / machine["decode_bound_tok_s"]
         result["hf"] = hf
         result["output_tok_s_ratio_vs_hf"] = result["cadenza"]["output_tok_s"] / hf["output_tok_s"]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    return result
+    return report(result, args.output)

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cadenza.bench_report import report
+
 WORDS = "time river light stone music garden window story number cloud paper summer field voice bridge".split()
 
 
@@ -250,9 +252,4 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         load = f"concurrency {args.concurrency}" if args.concurrency else f"rate {args.request_rate}/s"
         plot(args.plot, results, f"{summary['model']} over {args.transport}, {load}")
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    return summary
+    return report(summary, args.output)

@@ -6,17 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from cadenza.engine_args import add_engine_args, engine_kwargs
 from cadenza.models.loader import DEFAULT_MODEL
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -30,15 +21,7 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
 def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - cadenza.LLM, imported late for a fast --help
     from cadenza.llm import LLM
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
+    return LLM(args.model, **engine_kwargs(args))
 
 
 def _params(args: argparse.Namespace):  # noqa: ANN202
@@ -125,18 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description="Cadenza LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one or more prompts and print the text")
-    _engine_args(gen)
+    add_engine_args(gen)
     _sampling_args(gen, temperature=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="terminal chat that streams tokens as they are sampled")
-    _engine_args(chat)
+    add_engine_args(chat)
     _sampling_args(chat, temperature=0.7)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="the websocket gateway and chat page over the actor runtime")
-    _engine_args(serve)
+    add_engine_args(serve)
     from cadenza.gateway.server import add_serve_args
 
     add_serve_args(serve)
@@ -144,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks printing JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline = bench_sub.add_parser("offline", help="offline throughput, TTFT/TPOT and the machine's limits")
-    _engine_args(offline)
+    add_engine_args(offline)
     from cadenza.bench_offline import add_offline_args
 
     add_offline_args(offline)

@@ -10,6 +10,8 @@ import logging
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
 
+from cadenza.engine_args import engine_kwargs
+
 log = logging.getLogger(__name__)
 
 
@@ -44,12 +46,7 @@ def run_server(args: argparse.Namespace) -> None:
     settings = settings_from_args(args)
     engine = AsyncLLM(
         args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
+        **engine_kwargs(args),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         num_blocks=args.num_blocks,

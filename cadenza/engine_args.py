@@ -1,0 +1,30 @@
+"""Engine flags shared by every command (`cadenza generate/chat/serve/bench`), and the
+EngineConfig keyword arguments they become."""
+
+from __future__ import annotations
+
+import argparse
+
+from cadenza.models.loader import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine settings every command shares, from their flags."""
+    return dict(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )

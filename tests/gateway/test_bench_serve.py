@@ -1,0 +1,35 @@
+"""`cadenza bench serve` against a gateway on a paced engine: the measuring, not the model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cadenza.gateway.app import build_app
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
+from conftest import ARTIFACTS, PacedEngine, free_port, serve_in_thread
+
+from cadenza.cli import main
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_bench_serve_reports_latencies_throughput_and_a_plot(transport: str, capsys) -> None:
+    port = free_port()
+    pace = 0.02
+    app = build_app(PacedEngine(pace=pace), DEFAULT_MODEL, GatewaySettings(port=port))
+    plot = ARTIFACTS / f"bench_serve_{transport}.png"
+    ARTIFACTS.mkdir(exist_ok=True)
+    args = ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--transport", transport]
+    args += ["--num-prompts", "8", "--concurrency", "4", "--output-len", "10:10", "--slo-ttft-ms", "10000"]
+    args += ["--plot", str(plot)]
+    with serve_in_thread(app, port):
+        assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["completed"] == 8 and report["failed"] == 0 and report["model"] == DEFAULT_MODEL
+    assert report["output_token_throughput"] > 0 and report["goodput"] == report["request_throughput"]
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert report[key]["p50"] <= report[key]["p90"] <= report[key]["p99"]
+    # The engine emits a token every `pace` seconds: ITL and TPOT sit at or above it.
+    assert report["itl_ms"]["p50"] >= pace * 1e3 * 0.8 and report["tpot_ms"]["p50"] >= pace * 1e3 * 0.8
+    assert plot.stat().st_size > 10_000
