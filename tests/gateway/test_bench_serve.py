@@ -33,3 +33,18 @@ def test_bench_serve_reports_latencies_throughput_and_a_plot(transport: str, cap
     # The engine emits a token every `pace` seconds: ITL and TPOT sit at or above it.
     assert report["itl_ms"]["p50"] >= pace * 1e3 * 0.8 and report["tpot_ms"]["p50"] >= pace * 1e3 * 0.8
     assert plot.stat().st_size > 10_000
+
+
+def test_bench_serve_poisson_arrivals_from_a_prompt_file(tmp_path, capsys) -> None:
+    port = free_port()
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"prompt": f"question {i}", "max_tokens": 3 + i}) for i in range(5)))
+    app = build_app(PacedEngine(pace=0.005), DEFAULT_MODEL, GatewaySettings(port=port))
+    args = ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "10", "--request-rate", "50"]
+    args += ["--dataset", str(dataset), "--slo-ttft-ms", "0.001"]
+    with serve_in_thread(app, port):
+        assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["completed"] == 10 and report["request_rate"] == 50
+    assert report["goodput"] == 0  # nobody meets a 1 microsecond TTFT
+    assert report["output_token_throughput"] * report["elapsed_s"] == pytest.approx(sum(3 + i % 5 for i in range(10)))

@@ -135,3 +135,49 @@ def test_health_is_503_with_the_reason_when_the_engine_cannot_serve(paced) -> No
         assert json.loads(refused.value.read())["error"] == "the engine actor died"
     finally:
         engine.problem = None
+
+
+def _post_chat(port: int, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+
+
+def test_http_over_capacity_is_429_with_retry_after_and_disconnect_aborts(paced) -> None:
+    url, engine, port = paced
+
+    async def run() -> tuple[int, str | None, int]:
+        await _drained(engine)
+        async with websockets.connect(url) as a, websockets.connect(url) as b:
+            for ws, lanes in ((a, "abc"), (b, "def")):  # fill max_concurrent 4 + max_queued 2
+                for lane in lanes:
+                    await ws.send(_create(lane, tokens=400))
+            await asyncio.sleep(0.3)
+            try:
+                await asyncio.to_thread(urllib.request.urlopen, _post_chat(port, {"max_tokens": 4}))
+            except urllib.error.HTTPError as e:
+                status, retry, body = e.code, e.headers.get("Retry-After"), json.loads(e.read())
+            assert body["error"]["code"] == "server_overloaded"
+            return status, retry, engine.running
+
+    status, retry, running = asyncio.run(run())
+    assert status == 429 and retry is not None and int(retry) >= 1 and running == 6
+
+    async def disconnect_mid_stream() -> None:
+        await _drained(engine)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True})
+        writer.write(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        await writer.drain()
+        while b"data: {" not in await reader.read(4096):
+            pass
+        assert engine.running == 1
+        writer.close()  # gone mid-stream
+        await _drained(engine)  # the engine request was aborted, not run to 400 tokens
+
+    asyncio.run(disconnect_mid_stream())
