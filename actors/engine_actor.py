@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import msgspec
 from cadenza.actors.engine_core import EngineCore, EngineStats
@@ -39,6 +40,7 @@ class ActorStats(msgspec.Struct, kw_only=True):
     num_worker_restarts: int
     num_steps: int
     compiled_graph: bool  # steps run as a Ray Compiled Graph (else plain actor calls)
+    engine_pid: int
 
 
 class EngineActor:
@@ -106,6 +108,7 @@ class EngineActor:
                 num_worker_restarts=self._restarts,
                 num_steps=self._steps,
                 compiled_graph=self.executor.graph is not None,
+                engine_pid=os.getpid(),
             )
         )
 

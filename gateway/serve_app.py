@@ -1,0 +1,84 @@
+"""Ray Serve deployment: the gateway app and its engine, replicated.
+
+Replica shape: each replica owns its engine (an AsyncLLM: engine actor + worker actors),
+created in the replica's constructor, and serves the same ASGI app as `cadenza serve`.
+Why not a separate engine deployment: a conversation's state lives in two places, the
+gateway's response store and the engine's prefix cache, and both must be on the replica
+the session router sends the conversation to; one replica = one gateway + one engine
+keeps them together, and there is no extra hop per token. Serve's health check calls the
+engine, so a dead engine gets its replica replaced.
+
+    serve run deploy/serve_config.yaml      # or: serve.run(build_app({...}))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cadenza.gateway.app import build_app as build_gateway
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cadenza.async_llm import AsyncLLM
+
+REPLICA_HEADER = "x-cadenza-replica"
+SESSION_ROUTER = RequestRouterConfig(request_router_class="cadenza.gateway.serve_router:SessionAffinityRouter")
+
+
+@serve.deployment(name="Cadenza")
+@serve.ingress()
+class CadenzaDeployment:
+    def __init__(
+        self, model: str, served_model_name: str | None, engine: dict[str, Any], gateway: dict[str, Any]
+    ) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.model_name = served_model_name or model
+        self.settings = GatewaySettings(**gateway)
+        self.engine = AsyncLLM(model, **engine)
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return _ReplicaHeader(build_gateway(self.engine, self.model_name, self.settings), self.replica_id)
+
+    async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising gets the replica replaced."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class _ReplicaHeader:
+    """Names the replica in every HTTP response (and websocket handshake) as x-cadenza-replica."""
+
+    def __init__(self, app: ASGIApp, replica_id: str) -> None:
+        self.app, self.header = app, (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def tagged(message: dict) -> None:
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, tagged if scope["type"] in ("http", "websocket") else send)
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve app builder (`import_path: cadenza.gateway.serve_app:build_app`); `args` from the
+    YAML: model, served_model_name, engine (EngineConfig fields), gateway (GatewaySettings
+    fields, host/port excepted: Serve's proxy listens)."""
+    known = {"model", "served_model_name", "engine", "gateway"}
+    if unknown := set(args) - known:
+        raise ValueError(f"unknown Cadenza app args {sorted(unknown)}; expected {sorted(known)}")
+    gateway = dict(args.get("gateway") or {})
+    fields = {f.name for f in dataclasses.fields(GatewaySettings)} - {"host", "port"}
+    if bad := set(gateway) - fields:
+        raise ValueError(f"unknown gateway settings {sorted(bad)}; expected some of {sorted(fields)}")
+    return CadenzaDeployment.options(request_router_config=SESSION_ROUTER).bind(
+        args.get("model", DEFAULT_MODEL), args.get("served_model_name"), dict(args.get("engine") or {}), gateway
+    )

@@ -1,0 +1,149 @@
+"""Ray Serve: the deploy files validate, and two replicas serve HTTP, the openai websocket and
+a plain websocket, with session-affine routing and engine-death recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import websockets
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_serve_config_validates_and_the_kuberay_manifest_embeds_it() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    (app,) = schema.applications
+    assert app.import_path == "cadenza.gateway.serve_app:build_app"
+    deployment = app.deployments[0]
+    assert deployment.autoscaling_config["min_replicas"] == 1
+    manifest = yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
+    assert manifest["kind"] == "RayService"
+    embedded = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(embedded)
+    assert embedded["applications"] == config["applications"]
+    assert embedded["http_options"]["host"] == "0.0.0.0" and config["http_options"]["host"] == "127.0.0.1"
+    gpu = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # The app builder refuses what it does not know.
+    from cadenza.gateway.serve_app import build_app
+
+    with pytest.raises(ValueError, match="unknown gateway settings"):
+        build_app({"gateway": {"max_frame_size": 1}})
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template: fast to load twice."""
+    import torch
+    import transformers
+    from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
+
+    directory = tmp_path_factory.mktemp("tiny_chat")
+    tok = load_tokenizer(*read_model(DEFAULT_MODEL))
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tok.backend.save(str(directory / "tokenizer.json"))
+    eos = tok.id_to_token(tok.eos_token_ids[0])
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": tok.chat_template, "eos_token": eos}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def two_replicas(ray_cluster, tiny_chat_model: Path):  # noqa: ANN201
+    from cadenza.gateway.serve_app import SESSION_ROUTER, CadenzaDeployment
+    from conftest_serve import free_port
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = CadenzaDeployment.options(
+        num_replicas=2, request_router_config=SESSION_ROUTER, health_check_period_s=1, health_check_timeout_s=10
+    ).bind(str(tiny_chat_model), "tiny", {"num_blocks": 256}, {})
+    serve.run(app, name="cadenza", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[str, dict]:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return r.headers["x-cadenza-replica"], json.loads(r.read())
+
+
+@pytest.mark.slow
+def test_two_replicas_serve_http_and_websockets_with_session_affinity(two_replicas: str) -> None:
+    client = openai.OpenAI(base_url=two_replicas + "/v1", api_key="none")
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, stream=True
+    )
+    assert sum(1 for c in stream if c.choices and c.choices[0].delta.content is not None) >= 1
+
+    async def over_websockets() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(base_url=two_replicas + "/v1", api_key="none").responses.connect() as conn:
+            await conn.response.create(model="tiny", input="hello", max_output_tokens=5)
+            async for ev in conn:
+                if ev.type in ("response.completed", "response.incomplete"):
+                    sdk = ev.response.status
+                    break
+        async with websockets.connect(two_replicas.replace("http", "ws") + "/v1/responses") as ws:
+            await ws.send(json.dumps({"type": "response.create", "input": "hi", "max_output_tokens": 3}))
+            while (ev := json.loads(await ws.recv()))["type"] not in ("response.completed", "response.incomplete"):
+                pass
+            return sdk, ev["response"]["status"]
+
+    assert asyncio.run(over_websockets()) == ("incomplete", "incomplete")  # max_output_tokens reached
+
+    alice = {_get(two_replicas, {"x-session-id": "alice"})[0] for _ in range(6)}
+    assert len(alice) == 1  # one session, one replica
+    spread = {_get(two_replicas, {"x-session-id": f"user-{i}"})[0] for i in range(8)}
+    assert len(spread) == 2  # sessions spread over both replicas
+
+
+def _stats(url: str, session: str) -> tuple[str, dict]:
+    request = urllib.request.Request(url + "/stats", headers={"x-session-id": session})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return r.headers["x-cadenza-replica"], json.loads(r.read())
+
+
+@pytest.mark.slow
+def test_a_dead_engine_fails_the_health_check_and_serve_replaces_the_replica(two_replicas: str) -> None:
+    victim, stats = _stats(two_replicas, "victim")
+    os.kill(stats["engine"]["engine_pid"], signal.SIGKILL)
+    deadline, seen = time.monotonic() + 120, set()
+    while not (len(seen) == 2 and victim not in seen):  # Serve replaces the unhealthy replica
+        assert time.monotonic() < deadline, f"the replica with the dead engine was not replaced: {seen}"
+        seen = set()
+        for i in range(8):
+            try:
+                seen.add(_get(two_replicas, {"x-session-id": f"probe-{time.monotonic()}-{i}"})[0])
+            except OSError:  # requests that reached the dying replica fail; that is expected
+                pass
+        time.sleep(1)
+    for i in range(6):
+        _, body = _get(two_replicas, {"x-session-id": f"after-{i}"})
+        assert body["choices"][0]["message"]["content"] is not None
