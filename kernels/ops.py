@@ -1,7 +1,9 @@
 """One function per hot op; the model calls only these.
 
-Each dispatches to a backend chosen once from CADENZA_KERNELS (`torch` or `triton`); the
-default is torch on the CPU. Triton kernels land beside their references in this package.
+Each dispatches to the backend in CADENZA_KERNELS (`torch` or `triton`), read per call so a
+test can switch it; the default is triton on CUDA and torch on the CPU. `triton` on the CPU
+runs the kernels under the Triton interpreter (start the process with TRITON_INTERPRET=1).
+Ops without a Triton kernel yet (paged attention) use their torch reference on either backend.
 """
 
 from __future__ import annotations
@@ -9,46 +11,58 @@ from __future__ import annotations
 import os
 
 import torch
-from cadenza.kernels.activation import silu_and_mul_ref
+from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from cadenza.kernels.attention import paged_attention_ref
-from cadenza.kernels.kv_write import write_kv_ref
+from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
 from cadenza.kernels.metadata import AttentionMetadata
-from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from cadenza.kernels.rotary import rotary_ref
+from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
+from cadenza.kernels.rotary import rotary_ref, rotary_triton
 
-_BACKENDS = ("torch",)
+_BACKENDS = ("torch", "triton")
+_DEFAULT = "triton" if torch.cuda.is_available() else "torch"
 
 
 def backend() -> str:
-    """The kernel backend in force; a clear error for one that does not exist yet."""
-    name = os.environ.get("CADENZA_KERNELS", "torch")
+    """The kernel backend in force; a clear error for an unknown one."""
+    name = os.environ.get("CADENZA_KERNELS", _DEFAULT)
     if name not in _BACKENDS:
         raise ValueError(f"CADENZA_KERNELS={name!r} is not available; choose one of {_BACKENDS}")
     return name
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if backend() == "triton":
+        return fused_add_rms_norm_triton(x, None, weight, eps)[0]
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend() == "triton":
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend() == "triton":
+        return rotary_triton(q, k, cos_sin)
     return rotary_ref(q, k, cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if backend() == "triton":
+        return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
 
 
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+    if backend() == "triton":
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(

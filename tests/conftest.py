@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from cadenza.models.loader import DEFAULT_MODEL, resolve_model_path
+
+if not torch.cuda.is_available():  # Triton kernels run interpreted here; must precede their import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cadenza.models.loader import DEFAULT_MODEL, resolve_model_path  # noqa: E402
 
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
 
