@@ -6,7 +6,6 @@ The same app is what `cadenza serve` runs on uvicorn and what Ray Serve will mou
 
 from __future__ import annotations
 
-import hmac
 from importlib.resources import files
 from typing import Any
 
@@ -97,11 +96,9 @@ def _handshake_problem(ws: WebSocket, settings: GatewaySettings, offered: list[s
     origin = ws.headers.get("origin")
     if not settings.origin_allowed(origin):
         return error_event(f"origin {origin!r} is not allowed", "origin_not_allowed", 403)
-    if settings.api_key is None:
-        return None
     auth = ws.headers.get("authorization", "")
     candidates = [auth.removeprefix("Bearer ").strip()] if auth.startswith("Bearer ") else []
     candidates += [p.removeprefix(KEY_SUBPROTOCOL) for p in offered if p.startswith(KEY_SUBPROTOCOL)]
-    if not any(hmac.compare_digest(c.encode(), settings.api_key.encode()) for c in candidates):
+    if not settings.key_accepts(candidates):
         return error_event("missing or wrong API key", "invalid_api_key", 401)
     return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ import msgspec
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from cadenza.gateway.protocol import error_object
 from cadenza.gateway.state import GatewayState, RequestError, new_id
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,19 +30,13 @@ Body = ChatCompletionRequest | CompletionRequest
 
 
 def error_response(status: int, message: str, code: str, param: str | None = None, **headers: str) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error"
-    )
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body = {"error": error_object(message, code, status, param)}
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def authorized(request: Request, state: GatewayState) -> bool:
-    key = state.settings.api_key
-    if key is None:
-        return True
     auth = request.headers.get("authorization", "")
-    return auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].strip().encode(), key.encode())
+    return state.settings.key_accepts([auth.removeprefix("Bearer ").strip()] if auth.startswith("Bearer ") else [])
 
 
 class OpenAIHttp:

@@ -88,15 +88,17 @@ def input_messages(value: Input | None) -> list[dict[str, str]]:
     return messages
 
 
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def error_object(message: str, code: str, status: int, param: str | None = None, **extra: Any) -> Json:
+    """OpenAI's error shape, shared by the websocket `error` event and HTTP error bodies."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"type": kind, "code": code, "message": message, "param": param, **extra}
+
+
 def error_event(message: str, code: str, status: int = 400, param: str | None = None, **extra: Any) -> Json:
-    kind = {429: "rate_limit_error", 401: "authentication_error", 403: "permission_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error"
-    )
-    return {
-        "type": "error",
-        "status": status,
-        "error": {"type": kind, "code": code, "message": message, "param": param, **extra},
-    }
+    return {"type": "error", "status": status, "error": error_object(message, code, status, param, **extra)}
 
 
 def response_object(

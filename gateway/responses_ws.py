@@ -30,7 +30,6 @@ class Job:
     response_id: str | None = None  # known once the response starts
     task: asyncio.Task[None] | None = None
     steer_input: list[dict[str, str]] | None = None  # set by response.steer
-    parent_id: str | None = None  # a steered response this one continues
 
 
 @dataclass(eq=False)
@@ -213,7 +212,7 @@ class ResponsesSocket:
             )
             self.state.admission.acquire()
             self.pending += 1
-            self.enqueue(Job(successor, parent_id=prepared.response_id), front=True)
+            self.enqueue(Job(successor), front=True)
 
 
 class ResponseRun:
@@ -225,9 +224,7 @@ class ResponseRun:
         self.item_id = new_id("msg")
         self.created_at = p.now()
         self.text = ""
-        self.token_ids: list[int] = []
         self.cached_tokens = 0
-        self.first_token_at: float | None = None
         state = socket.state
         self.observation = Observation(state.metrics, state.tracing, "chat", socket.ws.headers, prepared.params)
         self.observation.span.messages(prepared.messages)
@@ -275,9 +272,6 @@ class ResponseRun:
                 out = delta.outputs[0]
                 self.observation.delta(delta)
                 self.cached_tokens = delta.num_cached_tokens
-                self.token_ids += out.token_ids
-                if out.token_ids and self.first_token_at is None:
-                    self.first_token_at = time.time()
                 if out.text or out.token_ids:
                     self.text += out.text
                     extras = {"token_ids": out.token_ids, "accepted_tokens": len(out.token_ids)}
@@ -309,7 +303,7 @@ class ResponseRun:
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
         status = "completed" if complete else ("cancelled" if finish == "cancelled" else "incomplete")
         fields = {
-            "usage": p.usage(len(self.prepared.prompt_ids), self.cached_tokens, len(self.token_ids)),
+            "usage": p.usage(len(self.prepared.prompt_ids), self.cached_tokens, self.observation.output_tokens),
             "incomplete_details": {"reason": reason} if reason else None,
             "completed_at": int(p.now()) if complete else None,
             p.EXTRA_KEY: self.timings(),
@@ -322,8 +316,13 @@ class ResponseRun:
         await self.emit({"type": "response.failed", "response": self.response("failed", [], error=error)})
 
     def timings(self) -> p.Json:
-        done = time.time()
-        ttft = None if self.first_token_at is None else self.first_token_at - self.created_at
-        decode = done - self.first_token_at if self.first_token_at else 0.0
-        rate = (len(self.token_ids) - 1) / decode if decode > 0 and len(self.token_ids) > 1 else None
-        return {"ttft_s": ttft, "tokens_per_s": rate, "cached_tokens": self.cached_tokens}
+        """From the observation, which saw the same deltas (one clock for metrics and extras)."""
+        obs, tokens = self.observation, self.observation.output_tokens
+        first = obs.first_token_at
+        decode = time.time() - first if first else 0.0
+        rate = (tokens - 1) / decode if decode > 0 and tokens > 1 else None
+        return {
+            "ttft_s": None if first is None else first - obs.arrival,
+            "tokens_per_s": rate,
+            "cached_tokens": self.cached_tokens,
+        }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 
@@ -59,6 +60,12 @@ class GatewaySettings:
     def own_origins(self) -> tuple[str, ...]:
         hosts = {self.host, "localhost", "127.0.0.1"} if self.host in ("127.0.0.1", "localhost") else {self.host}
         return tuple(f"http://{h}:{self.port}" for h in sorted(hosts))
+
+    def key_accepts(self, candidates: list[str]) -> bool:
+        """No key configured, or one candidate equals it (compared in constant time)."""
+        if self.api_key is None:
+            return True
+        return any(hmac.compare_digest(c.encode(), self.api_key.encode()) for c in candidates)
 
     def origin_allowed(self, origin: str | None) -> bool:
         if origin is None:
