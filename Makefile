@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL ?= SmolLM2-135M-Instruct
 
-.PHONY: test lint chat serve bench clean env chromium
+.PHONY: test lint chat serve bench clean env chromium gpu-check
 
 $(BIN)/.ready: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,11 @@ chat: env
 bench: env
 	$(BIN)/cadenza bench offline --model $(MODEL) --baseline hf
 	$(BIN)/cadenza bench actors --model $(MODEL)
+
+# Every Triton kernel against its torch reference at real shapes, timed against torch; prints
+# JSON, exits non-zero on a failure or without CUDA. E.g. `make gpu-check GPU_CHECK_ARGS=--quick`.
+gpu-check: env
+	$(BIN)/python -m cadenza.kernels.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -21,6 +21,9 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [num_reqs] int64, same values on the device
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with 0
     num_decodes: int
+    # query_start_loc on the device, built by the Triton attention path on first use and then
+    # shared by every layer of the step (one host-to-device copy per step, not per layer).
+    query_start_loc_tensor: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -3,7 +3,8 @@
 Each dispatches to the backend in CADENZA_KERNELS (`torch` or `triton`), read per call so a
 test can switch it; the default is triton on CUDA and torch on the CPU. `triton` on the CPU
 runs the kernels under the Triton interpreter (start the process with TRITON_INTERPRET=1).
-Ops without a Triton kernel yet (paged attention) use their torch reference on either backend.
+Every op has both: paged attention runs the split-KV decode kernel and the varlen extend
+kernel on `triton`; the weight-only quantized GEMMs (W8A16, W4A16) dequantize in registers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from cadenza.kernels.attention import paged_attention_ref
 from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
+from cadenza.kernels.paged_attention import paged_attention_triton
+from cadenza.kernels.quant_gemm import (
+    w4a16_matmul_ref,
+    w4a16_matmul_triton,
+    w8a16_matmul_ref,
+    w8a16_matmul_triton,
+)
 from cadenza.kernels.rotary import rotary_ref, rotary_triton
 
 _BACKENDS = ("torch", "triton")
@@ -68,4 +76,20 @@ def write_kv(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
+    if backend() == "triton":
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if backend() == "triton":
+        return w8a16_matmul_triton(x, qweight, scales)
+    return w8a16_matmul_ref(x, qweight, scales)
+
+
+def w4a16_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    if backend() == "triton":
+        return w4a16_matmul_triton(x, packed, scales, zeros, group_size)
+    return w4a16_matmul_ref(x, packed, scales, zeros, group_size)

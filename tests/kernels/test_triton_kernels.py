@@ -6,21 +6,17 @@ reference's own error in the same dtype (plus a floor for exact fp32 ties). KV w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from cadenza.kernels import paged_attention
 from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
 from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
 from cadenza.kernels.rotary import rotary_ref, rotary_triton
 
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _within_2x(kernel: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor) -> None:
-    ref_error = (ref.float() - exact).abs().max().item()
-    kernel_error = (kernel.float() - exact).abs().max().item()
-    assert kernel_error <= 2 * ref_error + 1e-5 * max(exact.abs().max().item(), 1.0), (kernel_error, ref_error)
+from tests.kernels._compare import DEVICE, DTYPES, within_2x
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -38,14 +34,14 @@ def test_fused_add_rms_norm(dtype: torch.dtype, rows: int, hidden: int, with_res
         assert torch.equal(res_out, ref_res)  # the residual stream is the same rounded sum
     else:
         ref, exact = rms_norm_ref(x, weight, 1e-5), rms_norm_ref(x.float(), weight.float(), 1e-5)
-    _within_2x(out, ref, exact)
+    within_2x(out, ref, exact)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "inter"), [(1, 96), (5, 1536), (17, 1000)])
 def test_silu_and_mul(dtype: torch.dtype, rows: int, inter: int) -> None:
     x = torch.randn(rows, 2 * inter, device=DEVICE).to(dtype)
-    _within_2x(silu_and_mul_triton(x), silu_and_mul_ref(x), silu_and_mul_ref(x.float()))
+    within_2x(silu_and_mul_triton(x), silu_and_mul_ref(x), silu_and_mul_ref(x.float()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -60,7 +56,7 @@ def test_rotary_on_strided_qkv_views(dtype: torch.dtype, heads: int, kv_heads: i
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
     got, ref, exact = rotary_triton(q, k, cos_sin), rotary_ref(q, k, cos_sin), rotary_ref(q.float(), k.float(), cos_sin)
     for g, r, e in zip(got, ref, exact, strict=True):
-        _within_2x(g, r, e)
+        within_2x(g, r, e)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,9 +75,24 @@ def test_write_kv_is_exact(dtype: torch.dtype, block_size: int, kv_heads: int, h
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+def _counted(counts: dict[str, int], name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """fn, counting its calls under counts[name]."""
+
+    def wrapper(*args: object, **kwargs: object) -> torch.Tensor:
+        counts[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def test_model_greedy_tokens_equal_with_triton_kernels(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One batch mixing a chunked prefill, a prefix-cache hit and decodes, both backends."""
+    """One batch mixing a chunked prefill, a prefix-cache hit and decodes, both backends; on
+    triton, attention runs both the decode and the extend kernel."""
     from cadenza import LLM, SamplingParams
+
+    launches = {"decode": 0, "extend": 0}
+    for name, attr in (("decode", "paged_decode_attention_triton"), ("extend", "extend_attention_triton")):
+        monkeypatch.setattr(paged_attention, attr, _counted(launches, name, getattr(paged_attention, attr)))
 
     path, _ = tiny_model("llama_gqa_tied")
     shared = [(5 * i) % 150 + 3 for i in range(40)]
@@ -96,6 +107,8 @@ def test_model_greedy_tokens_equal_with_triton_kernels(tiny_model, monkeypatch: 
         return [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs)
 
     torch_tokens, torch_hits = run("torch")
+    assert launches == {"decode": 0, "extend": 0}
     triton_tokens, triton_hits = run("triton")
+    assert launches["decode"] > 0 and launches["extend"] > 0
     assert triton_tokens == torch_tokens
     assert torch_hits == triton_hits >= 40  # the shared prefix came from the cache

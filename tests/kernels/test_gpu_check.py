@@ -1,0 +1,56 @@
+"""The GPU check's own logic, on tiny shapes: under the Triton interpreter here, on CUDA there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from cadenza.kernels import gpu_check
+
+from tests.kernels._compare import DEVICE
+
+KERNELS = {
+    "fused_add_rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "write_kv",
+    "decode_attention",
+    "prefill_attention",
+    "extend_attention",
+    "w8a16_matmul",
+    "w4a16_matmul",
+}
+
+
+def test_tiny_run_checks_every_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_check.main(["--device", DEVICE, "--tiny", "--quick"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["num_failed"] == report["num_skipped"] == 0
+    assert {r["kernel"] for r in report["results"]} == KERNELS
+    for result in report["results"]:
+        assert result["passed"] and result["ms"] > 0 and result["speedup"] > 0
+
+
+def test_a_failing_case_is_reported_not_raised() -> None:
+    def broken() -> torch.Tensor:
+        raise RuntimeError("no kernel image")
+
+    def cases(*_: object) -> object:
+        yield gpu_check.Case("k", {}, broken, broken, broken, broken)
+
+    results = gpu_check._run_family(cases(), "family", torch.float16, torch.device("cpu"), float("inf"), True)
+    assert results == [
+        {"kernel": "family", "dtype": "float16", "passed": False, "error": "RuntimeError('no kernel image')"}
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for machines without CUDA")
+def test_without_cuda_it_says_so_and_exits_nonzero() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cadenza.kernels.gpu_check", "--quick"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
