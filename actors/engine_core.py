@@ -9,8 +9,9 @@ import msgspec
 from cadenza.actors.block_pool import BlockPool, BlockPoolStats
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.model_runner import ModelRunner
+from cadenza.actors.proposers import build_proposer
 from cadenza.actors.request import Request
-from cadenza.actors.scheduler import Scheduler
+from cadenza.actors.scheduler import Scheduler, SpecDecodeStats
 from cadenza.models.config import ModelConfig
 from cadenza.models.loader import LoadedModel
 
@@ -23,6 +24,7 @@ class EngineStats(msgspec.Struct):
     num_waiting: int
     num_preemptions: int
     kv_cache: BlockPoolStats
+    spec_decode: SpecDecodeStats | None = None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> int:
@@ -53,7 +55,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.num_blocks = num_kv_blocks(config, model_config)
         self.kv = KVCacheManager(BlockPool(self.num_blocks), config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.speculative_config
+        )
         self.runner = runner
         self._arrivals = 0
 
@@ -61,7 +65,8 @@ class EngineCore:
     def in_process(cls, config: EngineConfig, loaded: LoadedModel) -> EngineCore:
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.config.eos_token_ids
         core = cls(config, loaded.config, loaded.max_model_len, eos)
-        core.runner = ModelRunner(loaded.model, core.num_blocks, config.block_size, eos)
+        proposer = build_proposer(config, loaded.config, loaded.max_model_len, core.num_blocks)
+        core.runner = ModelRunner(loaded.model, core.num_blocks, config.block_size, eos, proposer=proposer)
         return core
 
     def add_request(self, req: EngineRequest) -> None:
@@ -117,4 +122,5 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats())
+        spec = s.spec_stats if s.spec is not None else None
+        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec)

@@ -3,10 +3,13 @@ over a flattened (varlen) batch, and samples."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
+from cadenza.actors.spec_proposal import ProposalInput, Proposer
+from cadenza.actors.varlen_batch import Chunk, build_batch
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.models.llama import LlamaForCausalLM
 
@@ -24,6 +27,11 @@ class RunnerRequest:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+
+    @property
+    def num_known(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RunnerRequest:
@@ -43,8 +51,9 @@ class Batch:
     positions: torch.Tensor
     meta: AttentionMetadata
     reqs: list[RunnerRequest]
-    sample_rows: list[int]  # flat token index whose logits each sampling request uses
-    sampling: list[RunnerRequest]
+    ends: list[int]  # each request's computed length after this step
+    sample_rows: list[int]  # flat token indices whose logits the sampling requests use
+    sampling: list[RunnerRequest]  # one row each, or k + 1 rows when verifying k drafts
 
 
 def allocate_kv_cache(
@@ -83,14 +92,17 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...],
         is_driver: bool = True,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.is_driver = is_driver
         self.device = model.norm.device
+        model.pack_for_small_batches()
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         self.requests: dict[str, RunnerRequest] = {}
+        self.proposer = proposer  # speculative decoding, on the driver only
 
     def execute(self, so: SchedulerOutput, previous: HiddenStates | None = None) -> ModelRunnerOutput | HiddenStates:
         self._update_states(so)
@@ -99,6 +111,8 @@ class ModelRunner:
         batch = self._prepare(so.num_scheduled_tokens)
         with torch.inference_mode():
             result = self._forward(batch, previous)
+        if self.proposer is not None and isinstance(result, ModelRunnerOutput):
+            result.draft_token_ids = self.proposer.propose(self._proposal_inputs(batch, result, so.num_spec_tokens))
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
         return result
@@ -122,52 +136,35 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.drop(rid)
         for new in so.new_requests:
             self.requests[new.req_id] = RunnerRequest.from_new(new)
+            if self.proposer is not None:
+                self.proposer.start(new.req_id, new.num_computed_tokens)
         for delta in so.cached_requests:
             state = self.requests[delta.req_id]
             state.block_ids.extend(delta.new_block_ids)
             state.token_ids.extend(delta.new_token_ids)
             state.num_computed_tokens = delta.num_computed_tokens
+        for rid in so.num_scheduled_tokens:
+            self.requests[rid].spec_token_ids = so.scheduled_spec_tokens.get(rid, [])
 
     def _prepare(self, scheduled: dict[str, int]) -> Batch:
         # Decodes (one query token) first: attention batches them in one op.
         order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
         reqs = [self.requests[rid] for rid in order]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl, seq_lens, sample_rows, sampling = [0], [], [], []
-        bs = self.block_size
+        chunks, sample_rows, sampling = [], [], []
+        num_tokens = 0
         for req in reqs:
             start, end = req.num_computed_tokens, req.num_computed_tokens + scheduled[req.req_id]
-            ids += req.token_ids[start:end]
-            positions += range(start, end)
-            slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            qsl.append(len(ids))
-            seq_lens.append(end)
-            if end == len(req.token_ids):  # caught up with the known tokens: sample the next
-                sample_rows.append(len(ids) - 1)
+            chunks.append(Chunk((req.token_ids + req.spec_token_ids)[start:end], start, req.block_ids))
+            num_tokens += end - start
+            if end == req.num_known:  # caught up with the known tokens: sample (and verify drafts)
+                sample_rows += range(num_tokens - len(req.spec_token_ids) - 1, num_tokens)
                 sampling.append(req)
-        width = max(len(r.block_ids) for r in reqs)
-        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            num_decodes=sum(1 for r in order if scheduled[r] == 1),
-        )
-        return Batch(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, device=dev),
-            meta,
-            reqs,
-            sample_rows,
-            sampling,
-        )
+        ids, positions, meta = build_batch(chunks, self.block_size, self.device)
+        return Batch(ids, positions, meta, reqs, [c.end for c in chunks], sample_rows, sampling)
 
     def _sample(self, hidden: torch.Tensor, batch: Batch) -> ModelRunnerOutput:
         if not batch.sampling:
@@ -175,22 +172,55 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows]).cpu()
         if not self.is_driver:  # the gather above is collective; sampling is the driver's alone
             return ModelRunnerOutput(sampled={})
-        rows = [
-            SamplingRow(
-                r.params,
-                r.token_ids[: r.num_prompt_tokens],
-                r.token_ids[r.num_prompt_tokens :],
-                self._stop_ids(r.params),
-            )
-            for r in batch.sampling
-        ]
-        tokens, logprobs = sample(logits, rows)
+        plain, plain_rows, spec, spec_rows = [], [], [], []
+        row = 0
+        for req in batch.sampling:
+            n = len(req.spec_token_ids) + 1
+            if req.spec_token_ids:
+                spec.append(req)
+                spec_rows += range(row, row + n)
+            else:
+                plain.append(req)
+                plain_rows.append(row)
+            row += n
         out = ModelRunnerOutput(sampled={}, logprobs={})
-        for req, token, lp in zip(batch.sampling, tokens, logprobs, strict=True):
-            out.sampled[req.req_id] = [token]
-            if lp is not None:
-                out.logprobs[req.req_id] = [lp]
+        if plain:
+            tokens, logprobs = sample(logits[plain_rows], [self._row(r) for r in plain])
+            self._record(out, plain, [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs])
+        if spec:
+            rows = [SpecRow(self._row(r), r.spec_token_ids, self._draft_probs(r.req_id)) for r in spec]
+            self._record(out, spec, *verify(logits[spec_rows], rows))
         return out
+
+    def _draft_probs(self, req_id: str) -> torch.Tensor | None:
+        return self.proposer.draft_probs(req_id) if self.proposer is not None else None
+
+    def _row(self, req: RunnerRequest, new_tokens: list[int] = ()) -> SamplingRow:
+        outputs = req.token_ids[req.num_prompt_tokens :] + list(new_tokens)
+        return SamplingRow(req.params, req.token_ids[: req.num_prompt_tokens], outputs, self._stop_ids(req.params))
+
+    @staticmethod
+    def _record(
+        out: ModelRunnerOutput,
+        reqs: list[RunnerRequest],
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprobs] | None],
+    ) -> None:
+        for req, toks, lps in zip(reqs, tokens, logprobs, strict=True):
+            out.sampled[req.req_id] = toks
+            if lps is not None:
+                out.logprobs[req.req_id] = lps
+
+    def _proposal_inputs(self, batch: Batch, out: ModelRunnerOutput, num_spec: dict[str, int]) -> list[ProposalInput]:
+        """Every request of the step (a draft model keeps its KV in step with all of them)."""
+        inputs = []
+        for req, end in zip(batch.reqs, batch.ends, strict=True):
+            new = out.sampled.get(req.req_id, [])
+            known = req.token_ids + new
+            valid = len(known) - 1 if new else end
+            k = num_spec.get(req.req_id, 0) if new else 0
+            inputs.append(ProposalInput(req.req_id, known, req.block_ids, valid, k, self._row(req, new)))
+        return inputs
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.eos_token_ids

@@ -40,6 +40,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.prompt_logprobs: list[TokenLogprobs] = []
+        self.spec_token_ids: list[int] = []  # drafts for the next step, verified as extra tokens
+        self.num_drafts = 0  # steps that verified drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def all_token_ids(self) -> list[int]:

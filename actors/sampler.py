@@ -25,13 +25,14 @@ class SamplingRow:
     output_ids: list[int]
     stop_ids: tuple[int, ...]  # EOS and stop_token_ids, masked while below min_tokens
 
-    def generator(self) -> torch.Generator | None:
+    def generator(self, salt: str = "") -> torch.Generator | None:
         """Seeded requests draw from a stream keyed by (seed, position): the same tokens alone,
-        in any batch, and after preemption, with no generator state to carry around."""
+        in any batch, and after preemption, with no generator state to carry around. The salt
+        keeps speculative decoding's separate draws (draft, accept) independent of the token's."""
         seed = self.params.seed
         if seed is None:
             return None
-        key = hashlib.blake2b(f"{seed}:{len(self.output_ids)}".encode(), digest_size=8).digest()
+        key = hashlib.blake2b(f"{seed}:{len(self.output_ids)}{salt}".encode(), digest_size=8).digest()
         return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
 
 
@@ -39,20 +40,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     """logits [N, V] fp32, one row per request -> (token per row, logprobs per row or None)."""
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    logits = _apply_penalties_and_masks(logits, rows)
+    logits = apply_penalties_and_masks(logits, rows)
     tokens = logits.argmax(dim=-1)
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random:
         tokens[random] = _sample_random(logits[random], [rows[i] for i in random])
     token_list = tokens.tolist()
     logprobs = [
-        _logprobs(raw[i], t, r.params.logprobs) if raw is not None and r.params.logprobs is not None else None
+        token_logprobs(raw[i], t, r.params.logprobs) if raw is not None and r.params.logprobs is not None else None
         for i, (t, r) in enumerate(zip(token_list, rows))
     ]
     return token_list, logprobs
 
 
-def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     touched = [i for i, r in enumerate(rows) if r.params.needs_penalties or len(r.output_ids) < r.params.min_tokens]
     if not touched:
         return logits
@@ -79,6 +80,12 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    return draw(sampling_probs(logits, rows), rows)
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution a random row draws from: temperature, top-k, top-p, then min-p.
+    Rows may not sum to 1 after min-p; draw() and the rejection sampler do not need them to."""
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
     logits = logits / temperature[:, None]
     logits = _top_k_top_p(logits, rows)
@@ -86,11 +93,18 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; it needs no normalising.
-    noise = torch.empty_like(probs)
+    return probs
+
+
+def draw(weights: torch.Tensor, rows: list[SamplingRow], salt: str = "") -> torch.Tensor:
+    """One token per row in proportion to its (unnormalised) weights.
+
+    Exponential race: argmax(w / E) with E ~ Exp(1) draws from w; it needs no normalising.
+    """
+    noise = torch.empty_like(weights)
     for i, r in enumerate(rows):
-        noise[i].exponential_(generator=r.generator())
-    return (probs / noise).argmax(dim=-1)
+        noise[i].exponential_(generator=r.generator(salt))
+    return (weights / noise).argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -109,7 +123,7 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+def token_logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     chosen = raw[token]
     rank = int((raw > chosen).sum()) + 1
     top = torch.topk(raw, k) if k else None
@@ -121,4 +135,4 @@ def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
     """Logprob of each next prompt token under the model (rows of logits predict targets)."""
     raw = torch.log_softmax(logits, dim=-1)
-    return [_logprobs(raw[i], t, k) for i, t in enumerate(targets)]
+    return [token_logprobs(raw[i], t, k) for i, t in enumerate(targets)]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import bisect
 import time
 
+import msgspec
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.request import Request, RequestStatus
 
+from cadenza.config import SpeculativeConfig
 from cadenza.messages import (
     CachedRequestData,
     EngineOutput,
@@ -18,9 +20,37 @@ from cadenza.messages import (
 )
 
 
+class SpecDecodeStats(msgspec.Struct):
+    """Speculative decoding since start: verification steps, drafts and accepted drafts,
+    and accepted_per_position[j]: how often the draft at position j was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        grow = num_draft_tokens - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(grow, 0)
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        spec: SpeculativeConfig | None = None,
+    ) -> None:
         self.kv = kv
+        self.spec = spec
+        self.spec_stats = SpecDecodeStats()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -52,18 +82,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
+        so = SchedulerOutput(
+            new_requests=[],
+            cached_requests=[],
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+            finished_req_ids=[],
+        )
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_ids, victims = self._allocate_or_preempt(req, n)
+            new_ids, victims = self._schedule_running(req, budget, so)
             preempted |= victims
             if new_ids is None:
                 break
-            cached.append(
+            so.cached_requests.append(
                 CachedRequestData(
                     req_id=req.request_id,
                     new_block_ids=new_ids,
@@ -72,19 +106,66 @@ class Scheduler:
                 )
             )
             req.num_sent_tokens = req.num_tokens
-            scheduled[req.request_id] = n
-            budget -= n
+            budget -= so.num_scheduled_tokens[req.request_id]
             i += 1
         # Admitting new work right after preempting would only thrash the pool.
-        new = [] if preempted else self._admit(budget, scheduled)
-        finished, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(
-            new_requests=new,
-            cached_requests=cached,
-            num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=sum(scheduled.values()),
-            finished_req_ids=finished,
-        )
+        if not preempted:
+            self._admit(budget, so)
+        if self.spec is not None:
+            self._plan_proposals(so)
+        so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+        so.finished_req_ids, self.finished_ids = self.finished_ids, []
+        return so
+
+    def _schedule_running(self, req: Request, budget: int, so: SchedulerOutput) -> tuple[list[int] | None, bool]:
+        """Schedule req's next tokens, with its drafts when they fit; (new block ids or None, preempted)."""
+        pending = req.num_tokens - req.num_computed_tokens
+        drafts = self._drafts_to_verify(req, budget - pending)
+        n = min(pending + len(drafts), budget)
+        new_ids = self.kv.allocate(req, n) if drafts else None
+        victims = False
+        if new_ids is None:  # without drafts, then by preempting
+            drafts, n = [], min(pending, budget)
+            new_ids, victims = self._allocate_or_preempt(req, n)
+            if new_ids is None:
+                return None, victims
+        so.num_scheduled_tokens[req.request_id] = n
+        if drafts:
+            so.scheduled_spec_tokens[req.request_id] = drafts
+        return new_ids, victims
+
+    def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
+        """req's drafts that fit the step's budget, its max_tokens and the context (each step
+        also emits one token of its own), and none while the batch is too large to speculate."""
+        if not req.spec_token_ids or self._speculation_off(len(self.running)):
+            return []
+        room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+        return req.spec_token_ids[: max(min(budget, room), 0)]
+
+    def _speculation_off(self, batch_size: int) -> bool:
+        limit = self.spec.disable_by_batch_size if self.spec is not None else None
+        return self.spec is None or (limit is not None and batch_size >= limit)
+
+    def _plan_proposals(self, so: SchedulerOutput) -> None:
+        """How many drafts each scheduled request gets proposed after this step, decided on the
+        step's final batch size. A draft model also needs k lookahead slots beyond the
+        scheduled tokens, where it writes its KV while proposing; no slots, no drafts."""
+        if self._speculation_off(len(so.num_scheduled_tokens)):
+            return
+        block_ids = {c.req_id: c.new_block_ids for c in so.cached_requests}
+        block_ids |= {r.req_id: r.block_ids for r in so.new_requests}
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            k = req.params.num_speculative_tokens
+            k = self.spec.num_speculative_tokens if k is None else min(k, self.spec.num_speculative_tokens)
+            k = min(k, self.max_model_len - req.num_computed_tokens - n)
+            if k > 0 and self.spec.method == "draft_model":
+                extra = self.kv.allocate(req, n + k)
+                if extra is None:
+                    continue
+                block_ids[rid].extend(extra)
+            if k > 0:
+                so.num_spec_tokens[rid] = k
 
     def _allocate_or_preempt(self, req: Request, n: int) -> tuple[list[int] | None, bool]:
         """Blocks for req's next n tokens, preempting from the tail until they fit.
@@ -98,8 +179,7 @@ class Scheduler:
                 return None, preempted
         return new_ids, preempted
 
-    def _admit(self, budget: int, scheduled: dict[str, int]) -> list[NewRequestData]:
-        new: list[NewRequestData] = []
+    def _admit(self, budget: int, so: SchedulerOutput) -> None:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[j]
@@ -114,7 +194,7 @@ class Scheduler:
             self.waiting.pop(j)
             self._start(req, num_hit)
             req.num_sent_tokens = req.num_tokens
-            new.append(
+            so.new_requests.append(
                 NewRequestData(
                     req_id=req.request_id,
                     token_ids=req.all_token_ids,
@@ -124,9 +204,8 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                 )
             )
-            scheduled[req.request_id] = n
+            so.num_scheduled_tokens[req.request_id] = n
             budget -= n
-        return new
 
     def _start(self, req: Request, num_hit: int) -> None:
         self.kv.record_lookup(req, num_hit)
@@ -146,6 +225,7 @@ class Scheduler:
         """Recompute-style: drop the KV, keep the tokens, go back to waiting in order."""
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -159,14 +239,28 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
-            req.num_computed_tokens += n
+            tokens = out.sampled.get(rid, [])
+            drafts = so.scheduled_spec_tokens.get(rid, [])
+            accepted = max(len(tokens) - 1, 0) if drafts else 0
+            # Rejected drafts' KV is not final: those positions are computed again (overwritten).
+            req.num_computed_tokens += n - (len(drafts) - accepted)
+            req.spec_token_ids = out.draft_token_ids.get(rid, [])
             self.kv.publish(req)
-            output = self._apply(req, out.sampled.get(rid, []))
-            output.new_logprobs = out.logprobs.get(rid, [])
+            output = self._apply(req, tokens)
+            if drafts:
+                self._record_spec(req, output, len(drafts), accepted)
+            output.new_logprobs = out.logprobs.get(rid, [])[: len(output.new_token_ids)]
             output.new_prompt_logprobs = out.prompt_logprobs.get(rid, [])
             if output.new_token_ids or output.new_prompt_logprobs or output.finish_reason:
                 outputs.append(output)
         return outputs
+
+    def _record_spec(self, req: Request, output: EngineOutput, num_drafts: int, accepted: int) -> None:
+        req.num_drafts += 1
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += accepted
+        self.spec_stats.record(num_drafts, accepted)
+        output.num_draft_tokens, output.num_accepted_tokens = num_drafts, accepted
 
     def _apply(self, req: Request, tokens: list[int]) -> EngineOutput:
         accepted: list[int] = []

@@ -15,6 +15,7 @@ import ray
 import torch
 import torch.distributed as dist
 from cadenza.actors.model_runner import ModelRunner
+from cadenza.actors.proposers import build_proposer
 from cadenza.models.loader import load_model
 from cadenza.models.shard import shard_model
 from cadenza.models.tp import SINGLE, TPGroup
@@ -65,7 +66,10 @@ class Worker:
         model = shard_model(loaded.model, tp, spec.pp_rank, cfg.pipeline_parallel_size)
         is_driver = tp.rank == 0 and model.is_last_stage
         eos = tuple(spec.eos_token_ids)
-        self.runner = ModelRunner(model, spec.num_blocks, cfg.block_size, eos, is_driver=is_driver)
+        # The driver samples, so it verifies drafts and proposes the next ones (a draft model
+        # runs whole beside the target's last stage, sharing its block tables).
+        proposer = build_proposer(cfg, loaded.config, loaded.max_model_len, spec.num_blocks) if is_driver else None
+        self.runner = ModelRunner(model, spec.num_blocks, cfg.block_size, eos, is_driver=is_driver, proposer=proposer)
         return os.getpid()
 
     def _join_group(self, dist_url: str) -> TPGroup:

@@ -90,6 +90,13 @@ def cmd_bench_actors(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    from cadenza.bench_spec import run_spec_bench
+
+    run_spec_bench(args, engine_kwargs(args))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from cadenza.gateway.server import run_server
 
@@ -144,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+    spec = bench_sub.add_parser("spec", help="single-stream decode with n-gram / draft-model speculation vs none")
+    add_engine_args(spec)
+    from cadenza.bench_spec import add_spec_args
+
+    add_spec_args(spec)
+    spec.set_defaults(func=cmd_bench_spec)
     return parser
 
 

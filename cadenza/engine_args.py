@@ -4,6 +4,7 @@ EngineConfig keyword arguments they become."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from cadenza.models.loader import DEFAULT_MODEL
 
@@ -16,6 +17,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -27,4 +34,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        speculative_config=args.speculative_config,
     )

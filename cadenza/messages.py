@@ -53,6 +53,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     total_num_scheduled_tokens: int
     # Runners drop their state for these (finished, aborted or preempted since the last step).
     finished_req_ids: list[str]
+    # Speculative decoding: drafts scheduled as extra tokens of their request (verified in
+    # this pass), and how many drafts to propose for each request after this step.
+    scheduled_spec_tokens: dict[str, list[int]] = {}
+    num_spec_tokens: dict[str, int] = {}
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -70,6 +74,8 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     logprobs: dict[str, list[TokenLogprobs]] = {}
     # Prompt logprobs for the prompt positions computed this step (chunked prefill sends parts).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Speculative decoding: the proposer's drafts for each request's next step.
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class HiddenStates(msgspec.Struct, kw_only=True):
@@ -94,3 +100,6 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling, once known
+    # Speculative decoding this step: drafts verified and how many of them the target accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -29,6 +29,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Speculative decoding: at most this many drafts per step for this request (0: none);
+    # None takes the engine's speculative_config. Ignored when speculation is off.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +53,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be non-negative, got {value}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be non-negative, got {self.num_speculative_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -58,18 +58,35 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     return out.transpose(0, 1)
 
 
+# Extends of up to this many query tokens (speculative verification's k + 1, short extends
+# after a prefix-cache hit) run as rows of the batched decode op, one row per query token with
+# its own causal length, instead of one attention call per request: a batch of verifying
+# requests is one op, not a Python loop (500 requests x 2 tokens: 52 ms vs 710 ms).
+SHORT_EXTEND_TOKENS = 16
+
+
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Attention for every token of a varlen batch. q [T, H, D] -> [T, H, D]."""
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = paged_decode_attention_ref(
-            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale
-        )
     qsl = meta.query_start_loc
-    for i in range(nd, meta.num_reqs):
+    rows, reqs, lens, long = [], [], [], []
+    for i in range(meta.num_reqs):
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
+        if end - start > SHORT_EXTEND_TOKENS:
+            long.append(i)
+            continue
+        # Query token t of the request sits at position seq_len - (end - t) and sees keys up to it.
+        rows += range(start, end)
+        reqs += [i] * (end - start)
+        lens += range(seq_len - (end - start) + 1, seq_len + 1)
+    if rows:
+        index = torch.tensor(rows, device=q.device)
+        tables = meta.block_tables[torch.tensor(reqs, device=q.device)]
+        seq_lens = torch.tensor(lens, device=q.device)
+        out[index] = paged_decode_attention_ref(q[index], k_cache, v_cache, tables, seq_lens, scale)
+    for i in long:
         start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
         k = gather_kv(k_cache, meta.block_tables[i], seq_len)
         v = gather_kv(v_cache, meta.block_tables[i], seq_len)

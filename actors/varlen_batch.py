@@ -1,0 +1,51 @@
+"""Flattened (varlen) batch inputs: token ids, positions and attention metadata for a list of
+per-request chunks. Shared by the target model runner and the draft model proposer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from cadenza.kernels.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class Chunk:
+    """The next tokens of one request to compute, from position `start`, through its block table."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+def build_batch(
+    chunks: list[Chunk], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input ids, positions, metadata). Callers put one-token chunks first: attention runs
+    those leading decodes as one batched op."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl, seq_lens = [0], []
+    for c in chunks:
+        ids += c.token_ids
+        positions += range(c.start, c.end)
+        slots += [c.block_ids[p // block_size] * block_size + p % block_size for p in range(c.start, c.end)]
+        qsl.append(len(ids))
+        seq_lens.append(c.end)
+    num_decodes = next((i for i, c in enumerate(chunks) if len(c.token_ids) != 1), len(chunks))
+    width = max(len(c.block_ids) for c in chunks)
+    tables = [c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        num_decodes=num_decodes,
+    )
+    return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device), meta
