@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from cadenza.models.tokenizer import Tokenizer
 from cadenza.models.tp import check_tp
 from cadenza.output_processor import SequenceState
 from cadenza.outputs import CompletionOutput, RequestOutput
+from cadenza.pacing import Pacer, QueueItem
 from cadenza.prompts import PendingRequest, Prompt, fan_out, require_tokenizer, tokenize
 from cadenza.sampling_params import SamplingParams
 
@@ -75,7 +77,7 @@ class AsyncLLM:
         except ray.exceptions.RayError as e:
             ray.kill(self.engine)
             raise RuntimeError(f"the engine failed to start: {e}") from e
-        self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
         self._pump: asyncio.Task[None] | None = None
         self._dead: str | None = None
         self._ids = itertools.count()
@@ -89,8 +91,12 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        pace: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request: each output holds only what is new since the last one."""
+        """Deltas of one request: each output holds only what is new since the last one.
+
+        pace: when a step brings several tokens (speculative decoding), yield them one per
+        delta, spread over the request's recent step interval instead of in one burst."""
         self._check_alive()
         params = sampling_params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
@@ -98,15 +104,21 @@ class AsyncLLM:
         pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer)
         if any(r.request_id in self._queues for r in requests):
             raise ValueError(f"request id {rid!r} is already in use")
-        queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues.update(dict.fromkeys(pending.seqs, queue))
         self._ensure_pump()
+        pacer = Pacer(queue, enabled=pace)
         try:
             await self._submit(requests)
             while not pending.finished:
-                delta = await self._next_delta(queue, pending)
-                if delta is not None:
-                    yield delta
+                item = await pacer.next()
+                if isinstance(item, BaseException):
+                    raise item
+                for due, out in pacer.schedule(*item):
+                    await pacer.wait_until(due)
+                    delta = self._apply(out, pending)
+                    if delta is not None:
+                        yield delta
         finally:
             for child in pending.seqs:
                 self._queues.pop(child, None)
@@ -123,22 +135,24 @@ class AsyncLLM:
             if error is not None:
                 raise ValueError(error)
 
-    async def _next_delta(self, queue: asyncio.Queue, pending: PendingRequest) -> RequestOutput | None:
-        item = await queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        seq = pending.seqs[item.request_id]
+    def _apply(self, out: EngineOutput, pending: PendingRequest) -> RequestOutput | None:
+        """Run one engine output through its sequence; the client's delta, if any is due."""
+        seq = pending.seqs[out.request_id]
+        if seq.finished:
+            return None  # a stop string ended it; what the engine sent before the abort is moot
         seen_tokens, seen_logprobs = len(seq.token_ids), len(seq.logprobs or [])
-        if seq.process(item):
-            self.engine.abort.remote([item.request_id])  # a stop string ended it here
-        if item.finish_reason == "error":
-            raise RequestFailedError(f"request {item.request_id}: {item.error}")
+        seen_accepted = seq.metrics.num_accepted_tokens
+        if seq.process(out):
+            self.engine.abort.remote([out.request_id])  # a stop string ended it here
+        if out.finish_reason == "error":
+            raise RequestFailedError(f"request {out.request_id}: {out.error}")
         text = seq.visible_delta()
         new_tokens = seq.token_ids[seen_tokens:]
         if not (text or new_tokens or seq.finished):
             return None
         new_logprobs = seq.logprobs[seen_logprobs:] if seq.logprobs is not None else None
-        return _delta(pending, seq, text, new_tokens, new_logprobs)
+        accepted = seq.metrics.num_accepted_tokens - seen_accepted
+        return _delta(pending, seq, text, new_tokens, new_logprobs, accepted)
 
     async def abort(self, request_id: str) -> None:
         children = [rid for rid in self._queues if rid == request_id or rid.startswith(f"{request_id}-")]
@@ -196,18 +210,30 @@ class AsyncLLM:
             except ray.exceptions.RayActorError as e:
                 self._mark_dead(e)
                 return
-            ack = batch.last
+            ack, at = batch.last, time.monotonic()  # arrival times pace streams (pacing.py)
             for out in batch.outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(out)
+                    queue.put_nowait((at, out))
 
 
 def _delta(
-    pending: PendingRequest, seq: SequenceState, text: str, token_ids: list[int], logprobs: list | None
+    pending: PendingRequest,
+    seq: SequenceState,
+    text: str,
+    token_ids: list[int],
+    logprobs: list | None,
+    num_accepted_tokens: int,
 ) -> RequestOutput:
     completion = CompletionOutput(
-        seq.index, text, token_ids, seq.cumulative_logprob, logprobs, seq.finish_reason, seq.stop_reason
+        seq.index,
+        text,
+        token_ids,
+        seq.cumulative_logprob,
+        logprobs,
+        seq.finish_reason,
+        seq.stop_reason,
+        num_accepted_tokens,
     )
     prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
     return RequestOutput(

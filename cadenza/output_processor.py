@@ -39,6 +39,7 @@ class SequenceState:
         if self.finished:
             return False
         self._record_time(out)
+        self._record_spec(out)
         self.num_cached_tokens = out.num_cached_tokens
         self.token_ids += out.new_token_ids
         self._add_logprobs(out.new_logprobs)
@@ -57,6 +58,12 @@ class SequenceState:
             self.metrics.last_token_time = now
         if out.finish_reason:
             self.metrics.finished_time = now
+
+    def _record_spec(self, out: EngineOutput) -> None:
+        m = self.metrics
+        m.num_drafts += out.num_draft_tokens > 0
+        m.num_draft_tokens += out.num_draft_tokens
+        m.num_accepted_tokens += out.num_accepted_tokens
 
     def _add_text(self, new_ids: list[int], final: bool) -> bool:
         if self.detok is None:
@@ -109,4 +116,5 @@ class SequenceState:
             self.logprobs,
             self.finish_reason,
             self.stop_reason,
+            self.metrics.num_accepted_tokens,
         )

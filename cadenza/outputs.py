@@ -23,10 +23,20 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     queue_time: float | None = None  # engine-side: arrival to first scheduling
+    # Speculative decoding so far: verification steps that had drafts, drafts verified, and
+    # drafts the target accepted (each accepted draft is a token this sequence got for free).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts over drafts verified; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @dataclass(slots=True)
@@ -38,6 +48,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Speculative decoding: how many of these tokens were accepted drafts (a streamed delta:
+    # those of the step(s) it covers; a final output: the sequence's total).
+    num_accepted_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

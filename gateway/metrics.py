@@ -2,7 +2,7 @@
 
 Per-request latencies and token counts are observed here in the gateway, where the user's
 clock runs; engine state (running/waiting, KV usage, prefix-cache queries and hits,
-preemptions) is read from the engine's stats at scrape time.
+preemptions, speculative drafts and acceptances) is read from the engine's stats at scrape time.
 """
 
 from __future__ import annotations
@@ -97,3 +97,25 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
+        yield from self._spec_decode(getattr(engine, "spec_decode", None), label)
+
+    def _spec_decode(self, spec: Any, label: list[str]) -> Any:
+        """Speculative decoding counters; absent (not zero) when the engine does not speculate."""
+        if spec is None:
+            return
+        for name, doc, value in (
+            ("cadenza:spec_decode_num_drafts", "Verification steps that had drafts.", spec.num_drafts),
+            ("cadenza:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+            ("cadenza:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(label, value)
+            yield counter
+        per_pos = CounterMetricFamily(
+            "cadenza:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft (0 first).",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(spec.accepted_per_position):
+            per_pos.add_metric([*label, str(position)], value)
+        yield per_pos

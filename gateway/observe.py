@@ -24,6 +24,8 @@ class Observation:
         self.first_token_at: float | None = None
         self.queue_time: float | None = None
         self.output_tokens = 0
+        # Per sequence index: its speculative (drafts, draft tokens, accepted) so far.
+        self.spec: dict[int, tuple[int, int, int]] = {}
         self.done = False
 
     def delta(self, out: RequestOutput) -> None:
@@ -35,6 +37,18 @@ class Observation:
         self.recorder.tokens(count, now, self.arrival)
         queue_times = [m.queue_time for m in out.metrics if m.queue_time is not None]
         self.queue_time = queue_times[0] if queue_times else self.queue_time
+        for completion, m in zip(out.outputs, out.metrics):  # cumulative counts: keep the latest
+            self.spec[completion.index] = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
+
+    def acceptance(self) -> dict[str, Any]:
+        """Speculative decoding over the request's sequences: drafts verified and accepted."""
+        drafts, draft_tokens, accepted = (sum(s[i] for s in self.spec.values()) for i in range(3))
+        return {
+            "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        }
 
     def finish(self, response_id: str, reasons: list[str], prompt_tokens: int, text: str | None = None) -> None:
         if self.done:

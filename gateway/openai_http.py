@@ -143,7 +143,7 @@ class _Run:
         self.text = ""
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
-        stream = self.state.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, request_id=self.id)
+        stream = self.state.generate(self.prompt_ids, self.params, self.id, stream=self.body.stream)
         obs = self.observation
         try:
             async with contextlib.aclosing(stream):
@@ -169,12 +169,19 @@ class _Run:
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.prompt_ids)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.state.speculative:  # OpenAI's Predicted Outputs fields, for the model's own drafts
+            spec = self.observation.acceptance()
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": spec["num_accepted_tokens"],
+                "rejected_prediction_tokens": spec["num_draft_tokens"] - spec["num_accepted_tokens"],
+            }
+        return usage
 
     async def whole(self) -> dict[str, Any]:
         texts: dict[int, str] = {}

@@ -263,10 +263,9 @@ class ResponseRun:
         await self.finish(finish, item)
 
     async def stream(self, item: p.Json) -> str:
-        engine = self.socket.state.engine
-        prompt = {"prompt_token_ids": self.prepared.prompt_ids}
+        state = self.socket.state
         finish = "stop"
-        stream = engine.generate(prompt, self.prepared.params, request_id=self.prepared.response_id)
+        stream = state.generate(self.prepared.prompt_ids, self.prepared.params, self.prepared.response_id, stream=True)
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
                 out = delta.outputs[0]
@@ -274,7 +273,9 @@ class ResponseRun:
                 self.cached_tokens = delta.num_cached_tokens
                 if out.text or out.token_ids:
                     self.text += out.text
-                    extras = {"token_ids": out.token_ids, "accepted_tokens": len(out.token_ids)}
+                    extras: p.Json = {"token_ids": out.token_ids}
+                    if state.speculative:  # how many of these tokens were drafts the model accepted
+                        extras["accepted_tokens"] = out.num_accepted_tokens
                     if out.logprobs:
                         extras["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
                     await self.emit(
@@ -316,13 +317,15 @@ class ResponseRun:
         await self.emit({"type": "response.failed", "response": self.response("failed", [], error=error)})
 
     def timings(self) -> p.Json:
-        """From the observation, which saw the same deltas (one clock for metrics and extras)."""
+        """From the observation, which saw the same deltas (one clock for metrics and extras),
+        with the speculative acceptance when the engine speculates."""
         obs, tokens = self.observation, self.observation.output_tokens
         first = obs.first_token_at
         decode = time.time() - first if first else 0.0
         rate = (tokens - 1) / decode if decode > 0 and tokens > 1 else None
-        return {
+        timings = {
             "ttft_s": None if first is None else first - obs.arrival,
             "tokens_per_s": rate,
             "cached_tokens": self.cached_tokens,
         }
+        return {**timings, **obs.acceptance()} if self.socket.state.speculative else timings

@@ -28,6 +28,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, nargs="*", default=[], help="Origins allowed on websockets (default: our own)")
         elif f.name == "api_key":
             p.add_argument(flag, default=None, help="require `Authorization: Bearer <key>`")
+        elif isinstance(default, bool):  # type=bool would read "--flag False" as True
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             p.add_argument(flag, type=type(default), default=default)
 

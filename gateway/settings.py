@@ -26,6 +26,10 @@ class GatewaySettings:
     response_store_size / response_store_ttl_s: finished responses kept for
         `previous_response_id` (least recently used dropped first, and after the TTL).
     default_max_output_tokens: when a request does not say (bounded by the context).
+    stream_pacing: with speculative decoding a step can bring several tokens at once; pacing
+        streams them one per event, spread over the request's recent step interval, so
+        readers see a steady cadence rather than bursts (never later than the next step's
+        tokens arrive; whole, non-streamed HTTP answers are never paced).
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +44,7 @@ class GatewaySettings:
     response_store_size: int = 1024
     response_store_ttl_s: float = 3600.0
     default_max_output_tokens: int = 512
+    stream_pacing: bool = False
 
     def __post_init__(self) -> None:
         positive = {

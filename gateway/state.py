@@ -4,6 +4,7 @@ and the turning of a `response.create` into prompt token ids and sampling parame
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from cadenza.gateway.response_store import Message, ResponseStore
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.tracing import Tracing
 
+from cadenza.outputs import RequestOutput
 from cadenza.sampling_params import SamplingParams
 
 
@@ -43,6 +45,16 @@ class GatewayState:
         self.tokenizer = engine.get_tokenizer()
         self.metrics = Metrics(model_name)
         self.tracing = tracing
+        # Speculation on: streams and usage report how many drafts the model accepted.
+        self.speculative = getattr(getattr(engine, "config", None), "speculative_config", None) is not None
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, stream: bool
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's deltas, paced when stream_pacing is set and the client reads a stream
+        (`pace` is passed only then, so engines without it, such as test doubles, still fit)."""
+        pace = {"pace": True} if stream and self.settings.stream_pacing else {}
+        return self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, **pace)
 
     def prepare(self, create: ResponseCreate, response_id: str | None = None) -> PreparedResponse:
         if create.model is not None and create.model != self.model_name:

@@ -26,6 +26,10 @@ from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 API_KEY = "test-key"
 MAX_FRAME_BYTES = 65536
 STARTUP_TIMEOUT_S = 300
+# The shared server speculates, so every gateway test also checks that greedy output is
+# the same with speculation on (n-gram drafts need no second model). Above 8 requests in a
+# step it stops, as a CPU deployment would: verifying k extra tokens each no longer pays.
+SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
 ARTIFACTS = Path(__file__).resolve().parents[1] / ".artifacts"
 
 
@@ -110,6 +114,7 @@ def server(ray_cluster) -> Iterator[Server]:
     port = free_port()
     cmd = [sys.executable, "-m", "cadenza.cli", "serve", "--port", str(port), "--api-key", API_KEY]
     cmd += ["--num-blocks", "2048", "--max-frame-bytes", str(MAX_FRAME_BYTES), "--max-num-batched-tokens", "512"]
+    cmd += ["--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
     ARTIFACTS.mkdir(exist_ok=True)
     log = open(ARTIFACTS / "serve.log", "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
