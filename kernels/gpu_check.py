@@ -333,7 +333,7 @@ def evaluate(case: Case, dev: torch.device, warmup_ms: int, rep_ms: int) -> dict
     del got, ref
     ms = bench_ms(case.bench or case.run, dev, warmup_ms, rep_ms)
     torch_ms = bench_ms(case.baseline, dev, warmup_ms, rep_ms)
-    out |= {"ms": round(ms, 4), "torch_ms": round(torch_ms, 4), "speedup": round(torch_ms / ms, 3)}
+    out |= {"ms": round(ms, 4), "torch_ms": round(torch_ms, 4), "speedup": float(f"{torch_ms / ms:.4g}")}
     if case.bytes:
         out["gb_s"] = round(case.bytes / ms / 1e6, 1)
     if case.flops:

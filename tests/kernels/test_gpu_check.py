@@ -31,7 +31,8 @@ def test_tiny_run_checks_every_kernel(capsys: pytest.CaptureFixture[str]) -> Non
     assert report["passed"] and report["num_failed"] == report["num_skipped"] == 0
     assert {r["kernel"] for r in report["results"]} == KERNELS
     for result in report["results"]:
-        assert result["passed"] and result["ms"] > 0 and result["speedup"] > 0
+        # Timings are reported, never judged: the interpreter's are meaningless and vary.
+        assert result["passed"] and result["ms"] >= 0 and result["speedup"] >= 0
 
 
 def test_a_failing_case_is_reported_not_raised() -> None:
