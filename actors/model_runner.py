@@ -33,6 +33,12 @@ class RunnerRequest:
     def num_known(self) -> int:
         return len(self.token_ids) + len(self.spec_token_ids)
 
+    def known_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the known tokens followed by the drafts, without copying the
+        whole context each step."""
+        n = len(self.token_ids)
+        return self.token_ids[start:end] + self.spec_token_ids[max(start - n, 0) : max(end - n, 0)]
+
     @classmethod
     def from_new(cls, new: NewRequestData) -> RunnerRequest:
         return cls(
@@ -158,7 +164,7 @@ class ModelRunner:
         num_tokens = 0
         for req in reqs:
             start, end = req.num_computed_tokens, req.num_computed_tokens + scheduled[req.req_id]
-            chunks.append(Chunk((req.token_ids + req.spec_token_ids)[start:end], start, req.block_ids))
+            chunks.append(Chunk(req.known_slice(start, end), start, req.block_ids))
             num_tokens += end - start
             if end == req.num_known:  # caught up with the known tokens: sample (and verify drafts)
                 sample_rows += range(num_tokens - len(req.spec_token_ids) - 1, num_tokens)
@@ -195,8 +201,8 @@ class ModelRunner:
     def _draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.proposer.draft_probs(req_id) if self.proposer is not None else None
 
-    def _row(self, req: RunnerRequest, new_tokens: list[int] = ()) -> SamplingRow:
-        outputs = req.token_ids[req.num_prompt_tokens :] + list(new_tokens)
+    def _row(self, req: RunnerRequest, new_tokens: list[int] | None = None) -> SamplingRow:
+        outputs = req.token_ids[req.num_prompt_tokens :] + (new_tokens or [])
         return SamplingRow(req.params, req.token_ids[: req.num_prompt_tokens], outputs, self._stop_ids(req.params))
 
     @staticmethod
