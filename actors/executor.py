@@ -8,6 +8,12 @@ Steps run as plain actor calls chained by object refs, or as a Ray Compiled Grap
 set up once: ~0.8 ms a round trip for two stages instead of ~3.6 ms, measured here) when
 EngineConfig.compiled_graph says so and Ray can build one. Its channels poll, so on a small
 CPU host it takes a core from the model; it is the default on CUDA only.
+
+Every step races a death watch: one never-returning call per worker in its own concurrency
+group, which Ray fails the moment that worker dies. Neither transport alone reports a death
+promptly every time: a Compiled Graph can leave its output future pending for good once its
+monitor has torn the graph down, and a surviving TP rank waits out distributed_timeout_s in
+its collective.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ PLACEMENT_TIMEOUT_S = 60.0
 
 _encoder = msgspec.msgpack.Encoder()
 _output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
-_RemoteWorker = ray.remote(Worker)
+# Worker.watch runs in its own group, off the thread that executes steps.
+_WATCH_GROUP = "watch"
+_RemoteWorker = ray.remote(concurrency_groups={_WATCH_GROUP: 1})(Worker)
 log = logging.getLogger(__name__)
 
 
@@ -48,6 +56,7 @@ class RayExecutor:
         self.stages: list[list[ray.actor.ActorHandle]] = []  # [pp][tp]
         self.pids: list[int] = []
         self.pg: PlacementGroup | None = None
+        self.death_watch: list[asyncio.Future] = []
 
     def _resources(self) -> tuple[float, float, int]:
         """(Ray CPUs, Ray GPUs, torch threads) per worker."""
@@ -77,6 +86,7 @@ class RayExecutor:
         ]
         url = await self._rendezvous() if cfg.tensor_parallel_size > 1 else None
         self.pids = await asyncio.gather(*(w.load.remote(url) for w in self.workers))
+        self.death_watch = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
         if self.config.compiled_graph:
             self.graph = self._compile()
 
@@ -107,6 +117,15 @@ class RayExecutor:
             msgspec.msgpack.encode(spec)
         )
 
+    @staticmethod
+    async def _watch(worker: ray.actor.ActorHandle) -> BaseException:
+        """Resolves only when the worker dies (or is killed by shutdown), with the reason."""
+        try:
+            await worker.watch.options(concurrency_group=_WATCH_GROUP).remote()
+        except Exception as e:
+            return e
+        return RuntimeError("Worker.watch returned")
+
     async def _rendezvous(self) -> str:
         nodes = set(await asyncio.gather(*(w.node_id.remote() for w in self.workers)))
         return await self.workers[0].rendezvous.remote(len(nodes) == 1)
@@ -117,12 +136,26 @@ class RayExecutor:
 
     async def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         data = _encoder.encode(so)
-        if self.graph is not None:
-            try:
-                results = await asyncio.gather(*await self.graph.execute_async(data))
-            except Exception as e:  # a dead actor cancels the whole graph at once
-                raise WorkerFailure(f"a worker failed during a step: {type(e).__name__}: {_first_line(e)}") from e
-            return _output_decoder.decode(results[0]) if results[0] else ModelRunnerOutput(sampled={})
+        step = asyncio.ensure_future(self._graph_step(data) if self.graph is not None else self._call_step(so, data))
+        done, _ = await asyncio.wait([step, *self.death_watch], return_when=asyncio.FIRST_COMPLETED)
+        if step in done:
+            return step.result()
+        step.cancel()
+        e = next(f for f in self.death_watch if f.done()).result()
+        raise WorkerFailure(f"a worker died during a step: {type(e).__name__}: {_first_line(e)}")
+
+    async def _graph_step(self, data: bytes) -> ModelRunnerOutput:
+        try:
+            results = await asyncio.gather(*await self.graph.execute_async(data))
+        except Exception as e:  # a dead actor cancels the whole graph at once
+            raise WorkerFailure(f"a worker failed during a step: {type(e).__name__}: {_first_line(e)}") from e
+        # A torn-down graph hands back its channel error as a value instead of raising it.
+        for r in results:
+            if isinstance(r, BaseException):
+                raise WorkerFailure(f"a worker failed during a step: {type(r).__name__}: {_first_line(r)}")
+        return _output_decoder.decode(results[0]) if results[0] else ModelRunnerOutput(sampled={})
+
+    async def _call_step(self, so: SchedulerOutput, data: bytes) -> ModelRunnerOutput:
         if not so.total_num_scheduled_tokens:  # bookkeeping only (finished ids): no hidden states
             refs = [w.execute.remote(data) for w in self.workers]
         else:
@@ -138,14 +171,19 @@ class RayExecutor:
         return _output_decoder.decode(driver) if driver else ModelRunnerOutput(sampled={})
 
     def shutdown(self) -> None:
+        # Kill first: a graph's teardown waits for every worker's loop, and a survivor may sit
+        # in a collective for distributed_timeout_s.
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        for watch in self.death_watch:
+            watch.cancel()
+        self.death_watch = []
         if self.graph is not None:
             try:
                 self.graph.teardown()
-            except Exception as e:  # already broken by a dead worker: killing below suffices
+            except Exception as e:  # the workers are gone already
                 log.warning("compiled graph teardown: %s", e)
             self.graph = None
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
         self.stages = []
         if self.pg is not None:
             remove_placement_group(self.pg)

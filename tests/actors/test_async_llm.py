@@ -120,9 +120,9 @@ def test_killed_worker_fails_in_flight_requests_then_recovers(ray_cluster, tiny_
         tasks = [asyncio.ensure_future(in_flight(started)) for _ in range(4)]
         await started.wait()
         ray.kill((await llm.engine.workers.remote())[1])
-        killed_at = time.monotonic()
-        errors = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
-        assert time.monotonic() - killed_at < 10
+        # A guard against a hang, not a speed check: the death watch reports within a step,
+        # while the survivor's collective would wait out distributed_timeout_s (60 s).
+        errors = await asyncio.wait_for(asyncio.gather(*tasks), timeout=45)
         assert all(isinstance(e, RequestFailedError) and "worker" in str(e) for e in errors)
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
         async for delta in llm.generate({"prompt_token_ids": [1, 2, 3]}, params):
