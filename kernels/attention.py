@@ -6,9 +6,11 @@ block tables, so prefix-cache hits, chunked prefill and decode share one path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from cadenza.kernels.metadata import AttentionMetadata
+from cadenza.kernels.metadata import AttentionMetadata, DecodePlan
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -65,11 +67,38 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 SHORT_EXTEND_TOKENS = 16
 
 
+DecodeOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 def paged_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode: DecodeOp = paged_decode_attention_ref,
 ) -> torch.Tensor:
-    """Attention for every token of a varlen batch. q [T, H, D] -> [T, H, D]."""
+    """Attention for every token of a varlen batch. q [T, H, D] -> [T, H, D].
+
+    `decode` runs the one-query rows (decodes and short extends); the C kernel of
+    cpu_native has the same contract."""
+    plan = meta.decode_plan if meta.decode_plan is not None else _plan_decode_rows(meta, q.device)
+    meta.decode_plan = plan  # every layer of the step shares it
+    if plan.index is None:  # every token is a decode row, in order
+        return decode(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale)
     out = torch.empty_like(q)
+    if len(plan.index):
+        out[plan.index] = decode(q[plan.index], k_cache, v_cache, plan.block_tables, plan.seq_lens, scale)
+    qsl = meta.query_start_loc
+    for i in plan.long:
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+        out[start:end] = prefill_attention_ref(q[start:end], k, v, scale)
+    return out
+
+
+def _plan_decode_rows(meta: AttentionMetadata, device: torch.device) -> DecodePlan:
     qsl = meta.query_start_loc
     rows, reqs, lens, long = [], [], [], []
     for i in range(meta.num_reqs):
@@ -81,14 +110,11 @@ def paged_attention_ref(
         rows += range(start, end)
         reqs += [i] * (end - start)
         lens += range(seq_len - (end - start) + 1, seq_len + 1)
-    if rows:
-        index = torch.tensor(rows, device=q.device)
-        tables = meta.block_tables[torch.tensor(reqs, device=q.device)]
-        seq_lens = torch.tensor(lens, device=q.device)
-        out[index] = paged_decode_attention_ref(q[index], k_cache, v_cache, tables, seq_lens, scale)
-    for i in long:
-        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
-        out[start:end] = prefill_attention_ref(q[start:end], k, v, scale)
-    return out
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+    if reqs == list(range(meta.num_reqs)):  # one row per request: its table as it is
+        tables = meta.block_tables
+    else:
+        tables = meta.block_tables[torch.tensor(reqs, dtype=torch.int64, device=device)]
+    # Without long extends the rows are every token, in order: no gather or scatter of q.
+    index = None if not long else torch.tensor(rows, dtype=torch.int64, device=device)
+    return DecodePlan(index, tables, seq_lens, long)

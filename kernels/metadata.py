@@ -8,6 +8,17 @@ import torch
 
 
 @dataclass(slots=True)
+class DecodePlan:
+    """Which query tokens run as one-query rows (decodes and short extends), built once a step
+    by the CPU attention path and shared by every layer."""
+
+    index: torch.Tensor | None  # [rows] token index into q; None: every token, in order
+    block_tables: torch.Tensor  # [rows, max_blocks] each row's request's table
+    seq_lens: torch.Tensor  # [rows] int64: keys each row sees (causal within an extend)
+    long: list[int]  # requests whose extends run as their own causal attention
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """One step's batch layout, shared by every layer.
 
@@ -24,6 +35,7 @@ class AttentionMetadata:
     # query_start_loc on the device, built by the Triton attention path on first use and then
     # shared by every layer of the step (one host-to-device copy per step, not per layer).
     query_start_loc_tensor: torch.Tensor | None = None
+    decode_plan: DecodePlan | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -1,19 +1,24 @@
 """One function per hot op; the model calls only these.
 
-Each dispatches to the backend in CADENZA_KERNELS (`torch` or `triton`), read per call so a
-test can switch it; the default is triton on CUDA and torch on the CPU. `triton` on the CPU
-runs the kernels under the Triton interpreter (start the process with TRITON_INTERPRET=1).
+Each dispatches to the backend in CADENZA_KERNELS (`torch`, `cpu` or `triton`), read per call
+so a test can switch it; the default is triton on CUDA and cpu on the CPU. `torch` is the pure
+torch reference; `cpu` is the same but runs decode attention (one-query rows) in the C kernel of
+cpu_native, which reads K/V in place instead of gathering a padded copy (it falls back to
+`torch` where no C compiler is found). `triton` on the CPU runs the kernels under the Triton
+interpreter (start the process with TRITON_INTERPRET=1).
 Every op has both: paged attention runs the split-KV decode kernel and the varlen extend
 kernel on `triton`; the weight-only quantized GEMMs (W8A16, W4A16) dequantize in registers.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from cadenza.kernels.attention import paged_attention_ref
+from cadenza.kernels.cpu_native import decode_attention_available, paged_decode_attention_cpu
 from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
@@ -26,13 +31,20 @@ from cadenza.kernels.quant_gemm import (
 )
 from cadenza.kernels.rotary import rotary_ref, rotary_triton
 
-_BACKENDS = ("torch", "triton")
-_DEFAULT = "triton" if torch.cuda.is_available() else "torch"
+_BACKENDS = ("torch", "cpu", "triton")
+
+
+@functools.cache
+def default_backend() -> str:
+    """triton on CUDA; on the CPU the C decode attention when this host can build it."""
+    if torch.cuda.is_available():
+        return "triton"
+    return "cpu" if decode_attention_available() else "torch"
 
 
 def backend() -> str:
     """The kernel backend in force; a clear error for an unknown one."""
-    name = os.environ.get("CADENZA_KERNELS", _DEFAULT)
+    name = os.environ.get("CADENZA_KERNELS") or default_backend()
     if name not in _BACKENDS:
         raise ValueError(f"CADENZA_KERNELS={name!r} is not available; choose one of {_BACKENDS}")
     return name
@@ -78,6 +90,8 @@ def paged_attention(
 ) -> torch.Tensor:
     if backend() == "triton":
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    if backend() == "cpu" and q.device.type == "cpu" and q.dtype == torch.float32:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, decode=paged_decode_attention_cpu)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 

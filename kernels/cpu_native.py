@@ -1,0 +1,110 @@
+"""Cadenza's C kernels for the CPU (kernels/csrc), built on first use and called through ctypes.
+
+They are compiled by the host's C compiler (`CC`, default `cc`) for this very CPU
+(-march=native) and cached under CADENZA_CACHE_DIR (default ~/.cache/cadenza), keyed by a hash
+of the source and the flags, so a machine builds each kernel once (about a second). Plain C and
+ctypes rather than a torch C++ extension: no torch headers, no ninja, nothing to rebuild when
+torch changes. Without a compiler, or if the build fails, `load` returns None (and logs why) and
+the ops fall back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCES = Path(__file__).parent / "csrc"
+# -fassociative-math (with the two flags it needs) lets the compiler vectorise the dot
+# products' reductions; full -ffast-math would also assume no infinities.
+CFLAGS = (
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
+    "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+)  # fmt: skip
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CADENZA_CACHE_DIR", Path.home() / ".cache" / "cadenza"))
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The shared library built from csrc/<name>.c, or None when it cannot be built here."""
+    source = SOURCES / f"{name}.c"
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        log.warning("no C compiler (%s) on PATH: the CPU runs the torch reference for %s", compiler, name)
+        return None
+    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{digest}.so"
+    if not target.exists() and not _build(compiler, source, target):
+        return None
+    return ctypes.CDLL(str(target))
+
+
+def _build(compiler: str, source: Path, target: Path) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes that race to build never load half a file.
+    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, str(source), "-o", scratch, "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("building %s failed; the torch reference runs instead:\n%s", source.name, done.stderr[-2000:])
+            return False
+        os.replace(scratch, target)
+        return True
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+
+
+def _decode_attention() -> ctypes.CDLL | None:
+    lib = load("decode_attention")
+    if lib is not None and not hasattr(lib, "_typed"):
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        lib.paged_decode_attention.restype = i32
+        lib._typed = True
+    return lib
+
+
+def decode_attention_available() -> bool:
+    return _decode_attention() is not None
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as attention.paged_decode_attention_ref: q [B, H, D] -> [B, H, D]."""
+    lib = _decode_attention()
+    if lib is None:
+        raise RuntimeError("the CPU decode attention kernel is not built (see the log for why)")
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu":
+        raise ValueError(f"the CPU kernel takes fp32 CPU tensors, not {q.dtype} on {q.device}")
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    tables, lens = block_tables.contiguous().to(torch.int64), seq_lens.contiguous().to(torch.int64)
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    status = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the CPU decode attention kernel could not allocate its scratch scores")
+    return out

@@ -1,0 +1,84 @@
+"""The C decode attention kernel (kernels/csrc, through cpu_native) against the torch reference.
+
+Same batches as the Triton tests (scattered blocks; block 0 is padding full of 8.0 that no
+request owns, so reading past a context's end shows). fp32 in and out, so the bound is tight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cadenza.kernels import cpu_native, ops
+from cadenza.kernels.attention import paged_attention_ref, paged_decode_attention_ref
+
+from tests.kernels.test_attention_kernels import HEADS, _paged_batch
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.decode_attention_available(), reason="no C compiler: the CPU kernel cannot be built here"
+)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 8), (64, 32)])
+def test_decode_rows_match_the_reference(heads: tuple[int, int], head_dim: int, block_size: int) -> None:
+    torch.manual_seed(head_dim + block_size + heads[0])
+    seq_lens = [37, 1, 300, 129, 16]
+    q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * 5, heads, head_dim, block_size, torch.float32)
+    args = (meta.block_tables, meta.seq_lens_tensor, head_dim**-0.5)
+    expected = paged_decode_attention_ref(q, k_cache, v_cache, *args)
+    got = cpu_native.paged_decode_attention_cpu(q, k_cache, v_cache, *args)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_a_mixed_batch_through_the_cpu_backend_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes, a k+1 verification (short extend rows), a prefill and a prefix-cache extend."""
+    torch.manual_seed(1)
+    seq_lens, q_lens = [37, 129, 50, 133, 70, 300], [1, 1, 1, 5, 70, 40]
+    q, k_cache, v_cache, meta = _paged_batch(seq_lens, q_lens, (6, 2), 64, 16, torch.float32)
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
+    monkeypatch.setenv("CADENZA_KERNELS", "cpu")
+    meta.decode_plan = None  # the reference run above planned this batch already
+    got = ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_the_kernel_refuses_what_it_cannot_read() -> None:
+    q, k_cache, v_cache, meta = _paged_batch([5], [1], (2, 2), 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        cpu_native.paged_decode_attention_cpu(
+            q.double(), k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, 0.125
+        )
+
+
+def test_without_a_compiler_nothing_is_built_and_torch_is_the_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # noqa: ANN001 - pytest's tmp_path
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("CADENZA_CACHE_DIR", str(tmp_path))
+    cpu_native.load.cache_clear()
+    ops.default_backend.cache_clear()
+    try:
+        assert cpu_native.load("decode_attention") is None
+        assert not cpu_native.decode_attention_available()
+        assert ops.default_backend() == ("triton" if torch.cuda.is_available() else "torch")
+        assert not list(tmp_path.iterdir())
+    finally:
+        monkeypatch.undo()
+        cpu_native.load.cache_clear()
+        ops.default_backend.cache_clear()
+    assert cpu_native.decode_attention_available()
+
+
+def test_a_fresh_cache_builds_the_library_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    monkeypatch.setenv("CADENZA_CACHE_DIR", str(tmp_path))
+    cpu_native.load.cache_clear()
+    try:
+        assert cpu_native.load("decode_attention") is not None
+        built = sorted(p.name for p in tmp_path.iterdir())
+        assert len(built) == 1 and built[0].startswith("decode_attention-") and built[0].endswith(".so")
+        cpu_native.load.cache_clear()
+        assert cpu_native.load("decode_attention") is not None
+        assert sorted(p.name for p in tmp_path.iterdir()) == built  # reused, not rebuilt
+    finally:
+        monkeypatch.undo()
+        cpu_native.load.cache_clear()
