@@ -105,7 +105,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.is_driver = is_driver
         self.device = model.norm.device
-        model.pack_for_small_batches()
+        model.prepare_cpu_paths()
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer = proposer  # speculative decoding, on the driver only

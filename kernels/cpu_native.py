@@ -68,14 +68,42 @@ def _build(compiler: str, source: Path, target: Path) -> bool:
             os.unlink(scratch)
 
 
-def _decode_attention() -> ctypes.CDLL | None:
-    lib = load("decode_attention")
-    if lib is not None and not hasattr(lib, "_typed"):
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.paged_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-        lib.paged_decode_attention.restype = i32
-        lib._typed = True
+def _typed(name: str, function: str, argtypes: list[type], restype: type | None = None) -> ctypes.CDLL | None:
+    """Library `name`, with `function`'s signature declared on first use."""
+    lib = load(name)
+    if lib is not None:
+        entry = getattr(lib, function)
+        if entry.argtypes is None:
+            entry.argtypes, entry.restype = argtypes, restype
     return lib
+
+
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _decode_attention() -> ctypes.CDLL | None:
+    args = [_p, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32]
+    return _typed("decode_attention", "paged_decode_attention", args, ctypes.c_int)
+
+
+def _gemv() -> ctypes.CDLL | None:
+    return _typed("gemv", "gemv_rows", [_p, _p, _p, _p, _i64, _i64, _i32])
+
+
+def gemv_available() -> bool:
+    return _gemv() is not None
+
+
+def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T + bias for contiguous fp32 CPU tensors (the caller checks)."""
+    lib = _gemv()
+    if lib is None:
+        raise RuntimeError("the CPU GEMV kernel is not built (see the log for why)")
+    x = x.contiguous()
+    y = torch.empty(1, weight.shape[0], dtype=torch.float32)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    lib.gemv_rows(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), *weight.shape[::-1], torch.get_num_threads())
+    return y
 
 
 def decode_attention_available() -> bool:
@@ -107,4 +135,61 @@ def paged_decode_attention_cpu(
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the CPU decode attention kernel could not allocate its scratch scores")
+    return out
+
+
+def _elementwise(function: str) -> ctypes.CDLL | None:
+    signatures = {
+        "add_rms_norm": [_p, _p, _p, _p, _p, _i64, _i64, ctypes.c_float, _i32],
+        "rotary": [_p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i32],
+        "silu_and_mul": [_p, _p, _i64, _i64, _i32],
+    }
+    return _typed("elementwise", function, signatures[function])
+
+
+def elementwise_available() -> bool:
+    return load("elementwise") is not None
+
+
+def fused_add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as norm.fused_add_rms_norm_triton (residual None: plain RMSNorm)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res_ptr = residual.contiguous().data_ptr() if residual is not None else None
+    cols = x.shape[-1]
+    _elementwise("add_rms_norm").add_rms_norm(
+        x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(), res_out.data_ptr(),
+        x.numel() // cols, cols, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, res_out
+
+
+def _rotate_cpu(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    tokens, heads, dim = x.shape
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    _elementwise("rotary").rotary(
+        x.data_ptr(), x.stride(0), x.stride(1), cos_sin.data_ptr(), out.data_ptr(), tokens, heads, dim // 2,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as rotary.rotary_ref; q and k may be strided views of the fused qkv output."""
+    cos_sin = cos_sin.contiguous().float()
+    return _rotate_cpu(q, cos_sin), _rotate_cpu(k, cos_sin)
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    _elementwise("silu_and_mul").silu_and_mul(
+        x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, torch.get_num_threads()
+    )
     return out

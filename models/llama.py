@@ -7,7 +7,7 @@ other op goes through cadenza.kernels.ops so the Triton kernels slot in unchange
 from __future__ import annotations
 
 import torch
-from cadenza.kernels import ops
+from cadenza.kernels import cpu_native, ops
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.models.config import ModelConfig
 from cadenza.models.rope import cos_sin_cache
@@ -27,9 +27,13 @@ class Linear(nn.Module):
     Measured here (MKL, 2 cores): x @ W_t streams a decode step's weights at ~25 GB/s, while
     F.linear on the [out, in] layout manages ~13 GB/s; at large M both are compute-bound alike.
     Between the two, MKL's GEMM is poor: 5 rows cost ~4x one row (it repacks W every call).
-    On the CPU the model also keeps a oneDNN-packed copy (pack_for_small_batches) for 2..64
-    rows: 5 rows of the 576x3072 MLP weight take 0.37 ms vs 0.79 ms, and the 49152-row LM head
-    12.8 ms vs 36.7 ms (one core, `/tmp` microbenchmark in the speculative decoding note).
+    On the CPU in fp32, prepare_cpu_paths re-lays W out as [out, in] (weight_t becomes a view;
+    MKL is as fast either way at large M) for two faster paths:
+    - one row (single-stream decode): the C GEMV of cpu_native streams rows of W at 23-32 GB/s
+      where x @ W_t manages 13-22 (per-layer weights 544 vs 774 us a layer, two cores);
+    - 2..64 rows: a oneDNN-packed copy (doubling the weights' memory): 5 rows of the 576x3072
+      MLP weight take 0.37 ms vs 0.79 ms, the 49152-row LM head 12.8 ms vs 36.7 ms (one core).
+    The figures are `/tmp` microbenchmarks quoted in the issue notes.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -39,9 +43,13 @@ class Linear(nn.Module):
         # Row-parallel under tensor parallelism: partial sums are all-reduced across ranks.
         self.reduce: TPGroup = SINGLE
         self.packed: torch.Tensor | None = None
+        self.one_row_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and 1 < x.shape[0] <= SMALL_BATCH_ROWS:
+        rows = x.shape[0]
+        if self.one_row_kernel and rows == 1:
+            y = cpu_native.linear_one_row(x, self.weight_t.t(), self.bias)
+        elif self.packed is not None and 1 < rows <= SMALL_BATCH_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         elif self.bias is None:
             y = x @ self.weight_t
@@ -49,9 +57,13 @@ class Linear(nn.Module):
             y = torch.addmm(self.bias, x, self.weight_t)
         return self.reduce.all_reduce(y)
 
-    def pack_for_small_batches(self) -> None:
-        """Keep a oneDNN-packed copy of the weight for 2..SMALL_BATCH_ROWS rows (see below)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_t.detach().t().contiguous(), 8)
+    def prepare_cpu_paths(self, one_row_kernel: bool, packed: bool) -> None:
+        """W as [out, in] under the weight_t view; the one-row C GEMV and/or the oneDNN copy."""
+        rows = self.weight_t.detach().t().contiguous()
+        self.weight_t.data = rows.t()
+        self.one_row_kernel = one_row_kernel
+        if packed:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(rows, 8)
 
 
 class Attention(nn.Module):
@@ -167,14 +179,16 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.all_gather_last(self.lm_head(hidden).float())
         return logits[:, : self.cfg.vocab_size]
 
-    def pack_for_small_batches(self) -> None:
-        """CPU fp32 only: the oneDNN copies double the weights' memory for a faster 2..64-row path."""
+    def prepare_cpu_paths(self) -> None:
+        """CPU fp32 only (see Linear): the C GEMV for one row where this host can build it, and
+        oneDNN copies (doubling the weights' memory) for 2..64 rows."""
         on_cpu_fp32 = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
-        if not on_cpu_fp32 or not torch.backends.mkldnn.is_available():
+        if not on_cpu_fp32:
             return
+        one_row, packed = cpu_native.gemv_available(), torch.backends.mkldnn.is_available()
         for module in self.modules():
             if isinstance(module, Linear) and module.weight_t.numel() > 1:
-                module.pack_for_small_batches()
+                module.prepare_cpu_paths(one_row, packed)
 
     def weight_bytes(self) -> int:
         """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams."""

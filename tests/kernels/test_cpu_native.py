@@ -1,6 +1,7 @@
-"""The C decode attention kernel (kernels/csrc, through cpu_native) against the torch reference.
+"""The C kernels of the `cpu` backend (kernels/csrc, through cpu_native) against the torch
+references: decode attention, the one-row GEMV, norm, rotary and SiLU-and-mul.
 
-Same batches as the Triton tests (scattered blocks; block 0 is padding full of 8.0 that no
+Attention uses the same batches as the Triton tests (scattered blocks; block 0 is padding full of 8.0 that no
 request owns, so reading past a context's end shows). fp32 in and out, so the bound is tight.
 """
 
@@ -9,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from cadenza.kernels import cpu_native, ops
+from cadenza.kernels.activation import silu_and_mul_ref
 from cadenza.kernels.attention import paged_attention_ref, paged_decode_attention_ref
+from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from cadenza.kernels.rotary import rotary_ref
 
 from tests.kernels.test_attention_kernels import HEADS, _paged_batch
 
@@ -82,3 +86,35 @@ def test_a_fresh_cache_builds_the_library_once(monkeypatch: pytest.MonkeyPatch, 
     finally:
         monkeypatch.undo()
         cpu_native.load.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past PARALLEL_ROWS, so the threaded loop
+def test_norm_rotary_and_silu_match_the_references(rows: int) -> None:
+    torch.manual_seed(rows)
+    x, residual, weight = torch.randn(rows, 576), torch.randn(rows, 576), torch.rand(576) + 0.5
+    out, summed = cpu_native.fused_add_rms_norm_cpu(x, residual, weight, 1e-5)
+    ref_out, ref_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        cpu_native.fused_add_rms_norm_cpu(x, None, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5)
+    )
+
+    qkv = torch.randn(rows, (9 + 3 + 3) * 64)  # q and k are strided views of the fused output
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(rows, 9, 64), k.view(rows, 3, 64)
+    cos_sin = torch.randn(rows, 64)
+    for got, expected in zip(cpu_native.rotary_cpu(q, k, cos_sin), rotary_ref(q, k, cos_sin), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+    gate_up = torch.randn(rows, 2 * 1536) * 4
+    torch.testing.assert_close(cpu_native.silu_and_mul_cpu(gate_up), silu_and_mul_ref(gate_up), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("out_features", "bias"), [(576, False), (963, True)])  # 963: not a multiple of 4
+def test_the_one_row_gemv_matches_a_matmul(out_features: int, bias: bool) -> None:
+    torch.manual_seed(out_features)
+    x, weight = torch.randn(1, 576), torch.randn(out_features, 576)
+    b = torch.randn(out_features) if bias else None
+    expected = torch.nn.functional.linear(x, weight, b)
+    torch.testing.assert_close(cpu_native.linear_one_row(x, weight, b), expected, atol=2e-5, rtol=1e-5)
