@@ -43,12 +43,13 @@ class Linear(nn.Module):
         # Row-parallel under tensor parallelism: partial sums are all-reduced across ranks.
         self.reduce: TPGroup = SINGLE
         self.packed: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None  # W as [out, in], under the weight_t view
         self.one_row_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.one_row_kernel and rows == 1:
-            y = cpu_native.linear_one_row(x, self.weight_t.t(), self.bias)
+            y = cpu_native.linear_one_row(x, self.rows, self.bias)
         elif self.packed is not None and 1 < rows <= SMALL_BATCH_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         elif self.bias is None:
@@ -60,7 +61,7 @@ class Linear(nn.Module):
     def prepare_cpu_paths(self, one_row_kernel: bool, packed: bool) -> None:
         """W as [out, in] under the weight_t view; the one-row C GEMV and/or the oneDNN copy."""
         rows = self.weight_t.detach().t().contiguous()
-        self.weight_t.data = rows.t()
+        self.weight_t.data, self.rows = rows.t(), rows
         self.one_row_kernel = one_row_kernel
         if packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(rows, 8)
