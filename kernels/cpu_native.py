@@ -44,7 +44,9 @@ def load(name: str) -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         log.warning("no C compiler (%s) on PATH: the CPU runs the torch reference for %s", compiler, name)
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
+    # Sources may include each other (decode_layer.c includes the rest): hash them all.
+    everything = b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.c")))
+    digest = hashlib.sha256(everything + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists() and not _build(compiler, source, target):
         return None
@@ -193,3 +195,58 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, torch.get_num_threads()
     )
     return out
+
+
+def _decode_layer() -> ctypes.CDLL | None:
+    args = [_p, _p, ctypes.c_float, ctypes.c_float, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _p, _i32]
+    lib = _typed("decode_layer", "decode_layer", args, ctypes.c_int)
+    return lib if lib is None else _typed("decode_layer", "decode_layer_scratch", [_p], ctypes.c_int64)
+
+
+def decode_layer_available() -> bool:
+    return _decode_layer() is not None
+
+
+class DecodeLayerKernel:
+    """One decoder layer's weights, bound for csrc/decode_layer.c (one token, fp32, TP 1).
+
+    `weights` are, in order: input norm, post-attention norm, qkv [out, in], qkv bias or None,
+    o [out, in], o bias or None, gate_up [out, in], down [out, in]; all contiguous fp32. The
+    tensors are kept here, so the pointers stay valid as long as this object lives."""
+
+    def __init__(self, weights: list[torch.Tensor | None], dims: list[int], eps: float, scale: float) -> None:
+        lib = _decode_layer()
+        if lib is None:
+            raise RuntimeError("the CPU decode-layer kernel is not built (see the log for why)")
+        for t in weights:
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError("the decode-layer kernel takes contiguous fp32 CPU weights")
+        self.lib, self.weights, self.eps, self.scale = lib, weights, eps, scale
+        self.pointers = (ctypes.c_void_p * len(weights))(*[None if t is None else t.data_ptr() for t in weights])
+        self.dims = (ctypes.c_int64 * len(dims))(*dims)
+        self.hidden = dims[0]
+        self.scratch = torch.empty(lib.decode_layer_scratch(self.dims), dtype=torch.float32)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        slot: int,
+        block_table: torch.Tensor,
+        seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream) for one token x [1, hidden], as DecoderLayer.forward."""
+        x = x.contiguous()
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        self.dims[5] = kv[0].shape[1]  # the block size is the cache's, known only here
+        status = self.lib.decode_layer(
+            self.pointers, self.dims, self.eps, self.scale, x.data_ptr(),
+            None if residual is None else residual.contiguous().data_ptr(), out.data_ptr(), res_out.data_ptr(),
+            cos_sin.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), slot, block_table.data_ptr(), seq_len,
+            self.scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the CPU decode-layer kernel could not allocate its attention scores")
+        return out, res_out

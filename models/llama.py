@@ -48,7 +48,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.one_row_kernel and rows == 1:
+        if self.one_row_kernel and rows == 1 and ops.backend() == "cpu":
             y = cpu_native.linear_one_row(x, self.rows, self.bias)
         elif self.packed is not None and 1 < rows <= SMALL_BATCH_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -106,6 +106,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        # The whole layer in one C call for one-token steps on the CPU (see bind_decode_kernel).
+        self.decode_kernel: cpu_native.DecodeLayerKernel | None = None
 
     def forward(
         self,
@@ -115,6 +117,9 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.decode_kernel is not None and x.shape[0] == 1 and ops.backend() == "cpu":
+            slot, seq_len = int(meta.slot_mapping[0]), meta.seq_lens[0]
+            return self.decode_kernel(x, residual, cos_sin, kv, slot, meta.block_tables[0], seq_len)
         if residual is None:
             residual, h = x, ops.rms_norm(x, self.input_layernorm, self.eps)
         else:
@@ -122,6 +127,20 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos_sin, kv, meta)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual
+
+
+    def bind_decode_kernel(self, cfg: ModelConfig) -> None:
+        """One-token steps run the whole layer in csrc/decode_layer.c: same math, ~60 fewer
+        torch calls a layer. Needs the [out, in] weights of prepare_cpu_paths (TP 1, fp32)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(linear.rows is None for linear in linears):
+            return
+        weights = [self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj.rows, attn.qkv_proj.bias]
+        weights += [attn.o_proj.rows, attn.o_proj.bias, mlp.gate_up_proj.rows, mlp.down_proj.rows]
+        weights = [None if w is None else w.detach() for w in weights]
+        dims = [cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.rows.shape[1], 0]
+        self.decode_kernel = cpu_native.DecodeLayerKernel(weights, dims, self.eps, attn.scale)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,6 +209,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.weight_t.numel() > 1:
                 module.prepare_cpu_paths(one_row, packed)
+        if one_row and self.tp.size == 1 and cpu_native.decode_layer_available():
+            for layer in self.layers:
+                layer.bind_decode_kernel(self.cfg)
 
     def weight_bytes(self) -> int:
         """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams."""

@@ -1,0 +1,65 @@
+/* One decoder layer for one token, fp32, in a single call: single-stream decode on the CPU.
+ *
+ * At one token a layer is ~60 small torch calls around four GEMVs; their dispatch cost
+ * (~12 ms a token for SmolLM2's 30 layers, measured by stubbing the GEMVs out) rivals
+ * streaming the weights. This runs the same steps as models/llama.py's DecoderLayer with the
+ * same kernels (it includes their sources), so the only difference is the missing overhead:
+ *   residual += x (or = x on the first layer); h = rms_norm(residual) * ln1
+ *   q, k, v = h Wqkv^T + b; RoPE on q and k; k, v -> the cache slot; paged attention
+ *   residual += attn Wo^T + b; h = rms_norm(residual) * ln2
+ *   out = silu(h Wg^T) * (h Wu^T) Wd^T
+ * Tensor parallelism and quantized weights take the ordinary path.
+ */
+#include <string.h>
+
+#include "decode_attention.c"
+#include "elementwise.c"
+#include "gemv.c"
+
+enum { W_LN1, W_LN2, W_QKV, B_QKV, W_O, B_O, W_GATE_UP, W_DOWN, NUM_WEIGHTS };
+enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, NUM_DIMS };
+
+/* Scratch floats decode_layer needs for these dims. */
+int64_t decode_layer_scratch(const int64_t *dims) {
+    const int64_t q = dims[D_HEADS] * dims[D_HEAD_DIM], kv = dims[D_KV_HEADS] * dims[D_HEAD_DIM];
+    return dims[D_HIDDEN] + (q + 2 * kv) + q + 3 * dims[D_INTER];
+}
+
+/* x [hidden] in; out [hidden] and res_out [hidden] written (res NULL on the first layer).
+ * Returns 0, or -1 if attention could not allocate its scores. */
+int decode_layer(const float *const *w, const int64_t *dims, float eps, float scale, const float *x,
+                 const float *res, float *out, float *res_out, const float *cos_sin, float *k_cache,
+                 float *v_cache, int64_t slot, const int64_t *block_table, int64_t seq_len,
+                 float *scratch, int num_threads) {
+    const int64_t hidden = dims[D_HIDDEN], heads = dims[D_HEADS], kv_heads = dims[D_KV_HEADS];
+    const int64_t head_dim = dims[D_HEAD_DIM], inter = dims[D_INTER];
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    float *h = scratch, *qkv = h + hidden, *attn = qkv + q_size + 2 * kv_size, *gate_up = attn + q_size;
+    float *act = gate_up + 2 * inter;
+
+    if (res) {
+        add_rms_norm(x, res, w[W_LN1], h, res_out, 1, hidden, eps, 1);
+    } else {
+        memcpy(res_out, x, sizeof(float) * hidden);
+        add_rms_norm(x, 0, w[W_LN1], h, 0, 1, hidden, eps, 1);
+    }
+    gemv_rows(h, w[W_QKV], w[B_QKV], qkv, hidden, q_size + 2 * kv_size, num_threads);
+    float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
+    /* RoPE into the cache row and attn (as scratch for q), then attention reads q from there. */
+    float *k_row = k_cache + slot * kv_size, *v_row = v_cache + slot * kv_size;
+    rotary(k, kv_size, head_dim, cos_sin, k_row, 1, kv_heads, head_dim / 2, 1);
+    memcpy(v_row, v, sizeof(float) * kv_size);
+    rotary(q, q_size, head_dim, cos_sin, attn, 1, heads, head_dim / 2, 1);
+    memcpy(q, attn, sizeof(float) * q_size);
+    int64_t one_len = seq_len;
+    if (paged_decode_attention(q, k_cache, v_cache, block_table, 0, &one_len, attn, 1, (int)heads,
+                               (int)kv_heads, (int)head_dim, (int)dims[D_BLOCK_SIZE], scale, num_threads))
+        return -1;
+    gemv_rows(attn, w[W_O], w[B_O], h, q_size, hidden, num_threads);
+    /* residual += o; h = rms_norm(residual) * ln2 (res_out holds the residual stream). */
+    add_rms_norm(h, res_out, w[W_LN2], h, res_out, 1, hidden, eps, 1);
+    gemv_rows(h, w[W_GATE_UP], 0, gate_up, hidden, 2 * inter, num_threads);
+    silu_and_mul(gate_up, act, 1, inter, 1);
+    gemv_rows(act, w[W_DOWN], 0, out, inter, hidden, num_threads);
+    return 0;
+}

@@ -1,0 +1,38 @@
+"""One-token decode steps against HF transformers, for every tiny config.
+
+A lone request decodes one token a step, which on the CPU runs each layer as one C call
+(csrc/decode_layer.c); the `torch` backend runs the same steps op by op. Both must give HF's
+greedy tokens and, at every generated position, HF's log-prob of the chosen token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cadenza.kernels import cpu_native
+
+from cadenza import LLM, SamplingParams
+from tests.conftest import TINY, TINY_CONFIGS
+from tests.models.test_logits_vs_hf import hf_logprobs
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_greedy_decode_steps_match_hf(tiny_model, monkeypatch: pytest.MonkeyPatch, kind: str, kernels: str) -> None:
+    if kernels == "cpu" and not cpu_native.decode_layer_available():
+        pytest.skip("no C compiler: the CPU kernels cannot be built here")
+    monkeypatch.setenv("CADENZA_KERNELS", kernels)
+    path, hf = tiny_model(kind)
+    llm = LLM(str(path), block_size=8, num_blocks=64)
+    layers = llm.engine.runner.model.layers
+    assert all(layer.decode_kernel is not None for layer in layers)  # bound; the backend decides
+    prompt = torch.randint(0, TINY["vocab_size"], (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    ref = hf_logprobs(hf, prompt + out.token_ids)
+    worst = 0.0
+    for i, (token, top) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        expected = ref[len(prompt) - 1 + i]
+        assert token == int(expected.argmax()), f"greedy token {i} differs from HF's"
+        worst = max(worst, abs(top[token].logprob - float(expected[token])))
+    assert worst <= 1e-3, f"max |logprob diff| {worst}"
