@@ -89,22 +89,26 @@ def _decode_attention() -> ctypes.CDLL | None:
 
 
 def _gemv() -> ctypes.CDLL | None:
-    return _typed("gemv", "gemv_rows", [_p, _p, _p, _p, _i64, _i64, _i32])
+    return _typed("gemv", "gemv_rows", [_p, _p, _p, _p, _i64, _i64, _i64, _i32])
 
 
 def gemv_available() -> bool:
     return _gemv() is not None
 
 
-def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T + bias for contiguous fp32 CPU tensors (the caller checks)."""
+def linear_few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T + bias for contiguous fp32 CPU tensors (the caller checks);
+    W is read once whatever M is, so it pays for M up to a handful (see Linear)."""
     lib = _gemv()
     if lib is None:
         raise RuntimeError("the CPU GEMV kernel is not built (see the log for why)")
     x = x.contiguous()
-    y = torch.empty(1, weight.shape[0], dtype=torch.float32)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
-    lib.gemv_rows(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), *weight.shape[::-1], torch.get_num_threads())
+    lib.gemv_rows(
+        x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), x.shape[0], *weight.shape[::-1],
+        torch.get_num_threads(),
+    )  # fmt: skip
     return y
 
 

@@ -17,7 +17,10 @@ from torch import nn
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-# Rows up to which a packed Linear uses oneDNN: batched decodes, k + 1 speculative verification.
+# Rows up to which Linear on the CPU (fp32) uses the C GEMV of cpu_native, which reads W once
+# for all rows: single-stream decode, k + 1 speculative verification, small decode batches.
+FEW_ROWS = 8
+# Rows up to which a packed Linear uses oneDNN: larger decode batches.
 SMALL_BATCH_ROWS = 64
 
 
@@ -29,10 +32,10 @@ class Linear(nn.Module):
     Between the two, MKL's GEMM is poor: 5 rows cost ~4x one row (it repacks W every call).
     On the CPU in fp32, prepare_cpu_paths re-lays W out as [out, in] (weight_t becomes a view;
     MKL is as fast either way at large M) for two faster paths:
-    - one row (single-stream decode): the C GEMV of cpu_native streams rows of W at 23-32 GB/s
-      where x @ W_t manages 13-22 (per-layer weights 544 vs 774 us a layer, two cores);
-    - 2..64 rows: a oneDNN-packed copy (doubling the weights' memory): 5 rows of the 576x3072
-      MLP weight take 0.37 ms vs 0.79 ms, the 49152-row LM head 12.8 ms vs 36.7 ms (one core).
+    - up to FEW_ROWS rows (single-stream decode, k + 1 verification): the C GEMV of cpu_native
+      reads W once for all rows, at ~28 GB/s where x @ W_t manages 13-22 (two cores);
+    - up to SMALL_BATCH_ROWS rows: a oneDNN-packed copy (doubling the weights' memory): 5 rows
+      of the 576x3072 MLP weight take 0.37 ms vs 0.79 ms, the LM head 12.8 vs 36.7 ms (one core).
     The figures are `/tmp` microbenchmarks quoted in the issue notes.
     """
 
@@ -44,12 +47,12 @@ class Linear(nn.Module):
         self.reduce: TPGroup = SINGLE
         self.packed: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None  # W as [out, in], under the weight_t view
-        self.one_row_kernel = False
+        self.few_rows_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.one_row_kernel and rows == 1 and ops.backend() == "cpu":
-            y = cpu_native.linear_one_row(x, self.rows, self.bias)
+        if self.few_rows_kernel and rows <= FEW_ROWS and ops.backend() == "cpu":
+            y = cpu_native.linear_few_rows(x, self.rows, self.bias)
         elif self.packed is not None and 1 < rows <= SMALL_BATCH_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         elif self.bias is None:
@@ -58,11 +61,11 @@ class Linear(nn.Module):
             y = torch.addmm(self.bias, x, self.weight_t)
         return self.reduce.all_reduce(y)
 
-    def prepare_cpu_paths(self, one_row_kernel: bool, packed: bool) -> None:
-        """W as [out, in] under the weight_t view; the one-row C GEMV and/or the oneDNN copy."""
+    def prepare_cpu_paths(self, few_rows_kernel: bool, packed: bool) -> None:
+        """W as [out, in] under the weight_t view; the few-rows C GEMV and/or the oneDNN copy."""
         rows = self.weight_t.detach().t().contiguous()
         self.weight_t.data, self.rows = rows.t(), rows
-        self.one_row_kernel = one_row_kernel
+        self.few_rows_kernel = few_rows_kernel
         if packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(rows, 8)
 
@@ -205,11 +208,11 @@ class LlamaForCausalLM(nn.Module):
         on_cpu_fp32 = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
         if not on_cpu_fp32:
             return
-        one_row, packed = cpu_native.gemv_available(), torch.backends.mkldnn.is_available()
+        few_rows, packed = cpu_native.gemv_available(), torch.backends.mkldnn.is_available()
         for module in self.modules():
             if isinstance(module, Linear) and module.weight_t.numel() > 1:
-                module.prepare_cpu_paths(one_row, packed)
-        if one_row and self.tp.size == 1 and cpu_native.decode_layer_available():
+                module.prepare_cpu_paths(few_rows, packed)
+        if few_rows and self.tp.size == 1 and cpu_native.decode_layer_available():
             for layer in self.layers:
                 layer.bind_decode_kernel(self.cfg)
 

@@ -43,7 +43,7 @@ int decode_layer(const float *const *w, const int64_t *dims, float eps, float sc
         memcpy(res_out, x, sizeof(float) * hidden);
         add_rms_norm(x, 0, w[W_LN1], h, 0, 1, hidden, eps, 1);
     }
-    gemv_rows(h, w[W_QKV], w[B_QKV], qkv, hidden, q_size + 2 * kv_size, num_threads);
+    gemv_rows(h, w[W_QKV], w[B_QKV], qkv, 1, hidden, q_size + 2 * kv_size, num_threads);
     float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
     /* RoPE into the cache row and attn (as scratch for q), then attention reads q from there. */
     float *k_row = k_cache + slot * kv_size, *v_row = v_cache + slot * kv_size;
@@ -55,11 +55,11 @@ int decode_layer(const float *const *w, const int64_t *dims, float eps, float sc
     if (paged_decode_attention(q, k_cache, v_cache, block_table, 0, &one_len, attn, 1, (int)heads,
                                (int)kv_heads, (int)head_dim, (int)dims[D_BLOCK_SIZE], scale, num_threads))
         return -1;
-    gemv_rows(attn, w[W_O], w[B_O], h, q_size, hidden, num_threads);
+    gemv_rows(attn, w[W_O], w[B_O], h, 1, q_size, hidden, num_threads);
     /* residual += o; h = rms_norm(residual) * ln2 (res_out holds the residual stream). */
     add_rms_norm(h, res_out, w[W_LN2], h, res_out, 1, hidden, eps, 1);
-    gemv_rows(h, w[W_GATE_UP], 0, gate_up, hidden, 2 * inter, num_threads);
+    gemv_rows(h, w[W_GATE_UP], 0, gate_up, 1, hidden, 2 * inter, num_threads);
     silu_and_mul(gate_up, act, 1, inter, 1);
-    gemv_rows(act, w[W_DOWN], 0, out, inter, hidden, num_threads);
+    gemv_rows(act, w[W_DOWN], 0, out, 1, inter, hidden, num_threads);
     return 0;
 }

@@ -1,4 +1,4 @@
-/* y = x W^T (+ b) for one row x, fp32, W [N, K] row-major: the single-stream decode GEMV.
+/* y = x W^T (+ b) for one or a few rows x, fp32, W [N, K] row-major: the decode GEMV.
  *
  * One row costs a pass over the weights, so this is all about streaming them: each thread
  * reads one contiguous run of rows, four at a time (four independent sums keep the FMA units
@@ -15,24 +15,33 @@ static float dot(const float *row, const float *x, int64_t k_dim) {
     return sum;
 }
 
-void gemv_rows(const float *x, const float *w, const float *bias, float *y, int64_t k_dim,
-               int64_t n_dim, int num_threads) {
+/* y [m, n] = x [m, k] W^T (+ b) for a few rows x: each group of four W rows is read from
+ * memory once and reused from L1 for every row of x, so up to a handful of rows (k + 1
+ * speculative verification, small decode batches) cost about what one row does. */
+void gemv_rows(const float *x, const float *w, const float *bias, float *y, int64_t m_dim,
+               int64_t k_dim, int64_t n_dim, int num_threads) {
     const int64_t quads = n_dim / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t quad = 0; quad < quads; ++quad) {
         const int64_t n = quad * 4;
         const float *r0 = w + n * k_dim, *r1 = r0 + k_dim, *r2 = r1 + k_dim, *r3 = r2 + k_dim;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-        for (int64_t k = 0; k < k_dim; ++k) {
-            const float xk = x[k];
-            a0 += r0[k] * xk;
-            a1 += r1[k] * xk;
-            a2 += r2[k] * xk;
-            a3 += r3[k] * xk;
+        for (int64_t m = 0; m < m_dim; ++m) {
+            const float *xm = x + m * k_dim;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+            for (int64_t k = 0; k < k_dim; ++k) {
+                const float xk = xm[k];
+                a0 += r0[k] * xk;
+                a1 += r1[k] * xk;
+                a2 += r2[k] * xk;
+                a3 += r3[k] * xk;
+            }
+            float *ym = y + m * n_dim + n;
+            ym[0] = a0, ym[1] = a1, ym[2] = a2, ym[3] = a3;
         }
-        y[n] = a0, y[n + 1] = a1, y[n + 2] = a2, y[n + 3] = a3;
     }
-    for (int64_t n = quads * 4; n < n_dim; ++n) y[n] = dot(w + n * k_dim, x, k_dim);
-    if (bias)
-        for (int64_t n = 0; n < n_dim; ++n) y[n] += bias[n];
+    for (int64_t m = 0; m < m_dim; ++m) {
+        for (int64_t n = quads * 4; n < n_dim; ++n) y[m * n_dim + n] = dot(w + n * k_dim, x + m * k_dim, k_dim);
+        if (bias)
+            for (int64_t n = 0; n < n_dim; ++n) y[m * n_dim + n] += bias[n];
+    }
 }
