@@ -201,34 +201,38 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _decode_layer() -> ctypes.CDLL | None:
-    args = [_p, _p, ctypes.c_float, ctypes.c_float, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _p, _i32]
-    lib = _typed("decode_layer", "decode_layer", args, ctypes.c_int)
+def _decode_layers() -> ctypes.CDLL | None:
+    args = [_p, _i64, _p, ctypes.c_float, ctypes.c_float, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _p, _i32]
+    lib = _typed("decode_layer", "decode_layers", args, ctypes.c_int)
     return lib if lib is None else _typed("decode_layer", "decode_layer_scratch", [_p], ctypes.c_int64)
 
 
-def decode_layer_available() -> bool:
-    return _decode_layer() is not None
+def decode_layers_available() -> bool:
+    return _decode_layers() is not None
 
 
-class DecodeLayerKernel:
-    """One decoder layer's weights, bound for csrc/decode_layer.c (one token, fp32, TP 1).
+def _pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
-    `weights` are, in order: input norm, post-attention norm, qkv [out, in], qkv bias or None,
-    o [out, in], o bias or None, gate_up [out, in], down [out, in]; all contiguous fp32. The
-    tensors are kept here, so the pointers stay valid as long as this object lives."""
 
-    def __init__(self, weights: list[torch.Tensor | None], dims: list[int], eps: float, scale: float) -> None:
-        lib = _decode_layer()
+class DecodeStackKernel:
+    """A run of decoder layers' weights, bound for csrc/decode_layer.c (one token, fp32, TP 1).
+
+    `layers[l]` holds layer l's weights in order: input norm, post-attention norm, qkv
+    [out, in], qkv bias or None, o [out, in], o bias or None, gate_up [out, in], down
+    [out, in]; all contiguous fp32. The tensors are kept here, so the pointers stay valid as
+    long as this object lives."""
+
+    def __init__(self, layers: list[list[torch.Tensor | None]], dims: list[int], eps: float, scale: float) -> None:
+        lib = _decode_layers()
         if lib is None:
             raise RuntimeError("the CPU decode-layer kernel is not built (see the log for why)")
-        for t in weights:
+        for t in (t for weights in layers for t in weights):
             if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
                 raise ValueError("the decode-layer kernel takes contiguous fp32 CPU weights")
-        self.lib, self.weights, self.eps, self.scale = lib, weights, eps, scale
-        self.pointers = (ctypes.c_void_p * len(weights))(*[None if t is None else t.data_ptr() for t in weights])
+        self.lib, self.layers, self.eps, self.scale = lib, layers, eps, scale
+        self.pointers = _pointers([t for weights in layers for t in weights])
         self.dims = (ctypes.c_int64 * len(dims))(*dims)
-        self.hidden = dims[0]
         self.scratch = torch.empty(lib.decode_layer_scratch(self.dims), dtype=torch.float32)
 
     def __call__(
@@ -236,20 +240,22 @@ class DecodeLayerKernel:
         x: torch.Tensor,
         residual: torch.Tensor | None,
         cos_sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         slot: int,
         block_table: torch.Tensor,
         seq_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp output, residual stream) for one token x [1, hidden], as DecoderLayer.forward."""
+        """(last mlp output, residual stream) for one token x [1, hidden], as the layers' forwards."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(self.layers)} layers but {len(kv_caches)} KV caches")
         x = x.contiguous()
         out, res_out = torch.empty_like(x), torch.empty_like(x)
-        self.dims[5] = kv[0].shape[1]  # the block size is the cache's, known only here
-        status = self.lib.decode_layer(
-            self.pointers, self.dims, self.eps, self.scale, x.data_ptr(),
+        self.dims[5] = kv_caches[0][0].shape[1]  # the block size is the cache's, known only here
+        status = self.lib.decode_layers(
+            self.pointers, len(self.layers), self.dims, self.eps, self.scale, x.data_ptr(),
             None if residual is None else residual.contiguous().data_ptr(), out.data_ptr(), res_out.data_ptr(),
-            cos_sin.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), slot, block_table.data_ptr(), seq_len,
-            self.scratch.data_ptr(), torch.get_num_threads(),
+            cos_sin.contiguous().data_ptr(), _pointers([k for k, _ in kv_caches]), _pointers([v for _, v in kv_caches]),
+            slot, block_table.data_ptr(), seq_len, self.scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the CPU decode-layer kernel could not allocate its attention scores")

@@ -109,8 +109,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        # The whole layer in one C call for one-token steps on the CPU (see bind_decode_kernel).
-        self.decode_kernel: cpu_native.DecodeLayerKernel | None = None
 
     def forward(
         self,
@@ -120,9 +118,6 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.decode_kernel is not None and x.shape[0] == 1 and ops.backend() == "cpu":
-            slot, seq_len = int(meta.slot_mapping[0]), meta.seq_lens[0]
-            return self.decode_kernel(x, residual, cos_sin, kv, slot, meta.block_tables[0], seq_len)
         if residual is None:
             residual, h = x, ops.rms_norm(x, self.input_layernorm, self.eps)
         else:
@@ -131,19 +126,16 @@ class DecoderLayer(nn.Module):
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual
 
-
-    def bind_decode_kernel(self, cfg: ModelConfig) -> None:
-        """One-token steps run the whole layer in csrc/decode_layer.c: same math, ~60 fewer
-        torch calls a layer. Needs the [out, in] weights of prepare_cpu_paths (TP 1, fp32)."""
+    def decode_weights(self) -> list[torch.Tensor | None] | None:
+        """The weights csrc/decode_layer.c takes, in its order, or None where they are not
+        plain [out, in] fp32 (see Linear.prepare_cpu_paths: TP 1, not quantized)."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(linear.rows is None for linear in linears):
-            return
+            return None
         weights = [self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj.rows, attn.qkv_proj.bias]
         weights += [attn.o_proj.rows, attn.o_proj.bias, mlp.gate_up_proj.rows, mlp.down_proj.rows]
-        weights = [None if w is None else w.detach() for w in weights]
-        dims = [cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.rows.shape[1], 0]
-        self.decode_kernel = cpu_native.DecodeLayerKernel(weights, dims, self.eps, attn.scale)
+        return [None if w is None else w.detach() for w in weights]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         self.is_first_stage = self.is_last_stage = True
         self.tp: TPGroup = SINGLE
         self.vocab_start = 0  # this rank's first vocab row (vocab-parallel embedding)
+        # All of this stage's layers in one C call for one-token steps on the CPU (bind_decode_stack).
+        self.decode_stack: cpu_native.DecodeStackKernel | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -189,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers; (x, residual) is what the next pipeline stage continues from."""
         cos_sin = self.cos_sin[positions]
+        if self.decode_stack is not None and x.shape[0] == 1 and ops.backend() == "cpu":
+            slot, seq_len = int(meta.slot_mapping[0]), meta.seq_lens[0]
+            return self.decode_stack(x, residual, cos_sin, kv_caches, slot, meta.block_tables[0], seq_len)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv, meta)
         return x, residual
@@ -212,9 +209,18 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.weight_t.numel() > 1:
                 module.prepare_cpu_paths(few_rows, packed)
-        if few_rows and self.tp.size == 1 and cpu_native.decode_layer_available():
-            for layer in self.layers:
-                layer.bind_decode_kernel(self.cfg)
+        if few_rows and self.tp.size == 1 and cpu_native.decode_layers_available():
+            self.bind_decode_stack()
+
+    def bind_decode_stack(self) -> None:
+        """One-token steps run this stage's layers in csrc/decode_layer.c: the same math as
+        DecoderLayer.forward with ~60 fewer torch calls a layer, and one ctypes call a step."""
+        weights = [layer.decode_weights() for layer in self.layers]
+        if not weights or any(w is None for w in weights):
+            return
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        dims = [self.cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.rows.shape[1], 0]
+        self.decode_stack = cpu_native.DecodeStackKernel(weights, dims, self.cfg.rms_norm_eps, attn.scale)
 
     def weight_bytes(self) -> int:
         """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams."""

@@ -1,47 +1,75 @@
 /* y = x W^T (+ b) for one or a few rows x, fp32, W [N, K] row-major: the decode GEMV.
  *
- * One row costs a pass over the weights, so this is all about streaming them: each thread
- * reads one contiguous run of rows, four at a time (four independent sums keep the FMA units
- * busy while the loads stream in; -fassociative-math lets the compiler vectorise each sum).
- * MKL's x @ W_t reads the same bytes at 13-22 GB/s on this host's two cores; this reaches
- * ~28 GB/s, about what a 2-thread sum over 1 GB reads (/tmp microbenchmark in the issue note;
- * hand-written AVX2 intrinsics measured no faster).
+ * One row costs a pass over the weights, so this is all about streaming them. Each thread
+ * walks one contiguous run of W rows strictly in address order, a row at a time, so the
+ * hardware prefetcher sees a single sequential stream; four vector accumulators keep the
+ * FMA units ahead of the loads. On this host's two cores that reads SmolLM2's decode
+ * weights ~7% faster than the earlier four-rows-at-once loop (four streams 2.3 KB apart),
+ * and as fast as a pre-packed [N/8][K][8] layout or hand AVX2 intrinsics (measured with a
+ * C harness over the model's 121 matrices, best of 10, interleaved).
+ *
+ * GCC/Clang vector extensions keep it portable: -march=native turns v8 into AVX (or NEON
+ * pairs, or plain scalars where there is no SIMD).
  */
 #include <stdint.h>
 
-static float dot(const float *row, const float *x, int64_t k_dim) {
-    float sum = 0.0f;
-    for (int64_t k = 0; k < k_dim; ++k) sum += row[k] * x[k];
+typedef float v8 __attribute__((vector_size(32), aligned(4))); /* aligned(4): unaligned loads */
+
+static inline v8 load8(const float *p) { return *(const v8 *)p; }
+
+static inline float dot(const float *row, const float *x, int64_t k_dim) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t k = 0;
+    for (; k + 32 <= k_dim; k += 32) {
+        a0 += load8(row + k) * load8(x + k);
+        a1 += load8(row + k + 8) * load8(x + k + 8);
+        a2 += load8(row + k + 16) * load8(x + k + 16);
+        a3 += load8(row + k + 24) * load8(x + k + 24);
+    }
+    for (; k + 8 <= k_dim; k += 8) a0 += load8(row + k) * load8(x + k);
+    const v8 a = (a0 + a1) + (a2 + a3);
+    float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    for (; k < k_dim; ++k) sum += row[k] * x[k];
     return sum;
 }
 
-/* y [m, n] = x [m, k] W^T (+ b) for a few rows x: each group of four W rows is read from
- * memory once and reused from L1 for every row of x, so up to a handful of rows (k + 1
- * speculative verification, small decode batches) cost about what one row does. */
-void gemv_rows(const float *x, const float *w, const float *bias, float *y, int64_t m_dim,
-               int64_t k_dim, int64_t n_dim, int num_threads) {
-    const int64_t quads = n_dim / 4;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t quad = 0; quad < quads; ++quad) {
-        const int64_t n = quad * 4;
-        const float *r0 = w + n * k_dim, *r1 = r0 + k_dim, *r2 = r1 + k_dim, *r3 = r2 + k_dim;
-        for (int64_t m = 0; m < m_dim; ++m) {
-            const float *xm = x + m * k_dim;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-            for (int64_t k = 0; k < k_dim; ++k) {
-                const float xk = xm[k];
-                a0 += r0[k] * xk;
-                a1 += r1[k] * xk;
-                a2 += r2[k] * xk;
-                a3 += r3[k] * xk;
+/* One W row against up to four rows of x at once (x [rows, k], out strided by `stride`):
+ * each load of W feeds every row, so k + 1 verification rows cost far less than k + 1
+ * passes (SmolLM2's decode weights at 8 rows: 29 ms against 34 ms for the earlier loop). */
+static inline void dot_rows(const float *row, const float *x, int64_t k_dim, int rows, float bias, float *out,
+                            int64_t stride) {
+    v8 a[4][2] = {{{0}}};
+    int64_t k = 0;
+    for (; k + 16 <= k_dim; k += 16) {
+        const v8 w0 = load8(row + k), w1 = load8(row + k + 8);
+        for (int m = 0; m < 4; ++m) {
+            if (m < rows) {
+                a[m][0] += w0 * load8(x + m * k_dim + k);
+                a[m][1] += w1 * load8(x + m * k_dim + k + 8);
             }
-            float *ym = y + m * n_dim + n;
-            ym[0] = a0, ym[1] = a1, ym[2] = a2, ym[3] = a3;
         }
     }
-    for (int64_t m = 0; m < m_dim; ++m) {
-        for (int64_t n = quads * 4; n < n_dim; ++n) y[m * n_dim + n] = dot(w + n * k_dim, x + m * k_dim, k_dim);
-        if (bias)
-            for (int64_t n = 0; n < n_dim; ++n) y[m * n_dim + n] += bias[n];
+    for (int m = 0; m < rows; ++m) {
+        const v8 s = a[m][0] + a[m][1];
+        float sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        for (int64_t j = k; j < k_dim; ++j) sum += row[j] * x[m * k_dim + j];
+        out[m * stride] = sum + bias;
+    }
+}
+
+/* y [m, n] = x [m, k] W^T (+ b) for a few rows x: each W row is read from memory once and
+ * reused from L1 for every row of x, so up to a handful of rows (k + 1 speculative
+ * verification, small decode batches) cost about what one row does. */
+void gemv_rows(const float *x, const float *w, const float *bias, float *y, int64_t m_dim,
+               int64_t k_dim, int64_t n_dim, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < n_dim; ++n) {
+        const float *row = w + n * k_dim, b = bias ? bias[n] : 0.0f;
+        if (m_dim == 1) {
+            y[n] = dot(row, x, k_dim) + b;
+            continue;
+        }
+        for (int64_t m = 0; m < m_dim; m += 4)
+            dot_rows(row, x + m * k_dim, k_dim, m_dim - m < 4 ? (int)(m_dim - m) : 4, b, y + m * n_dim + n, n_dim);
     }
 }
