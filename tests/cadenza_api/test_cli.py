@@ -45,6 +45,8 @@ def test_bench_offline_prints_json(tmp_path: Path) -> None:
         "4:8",
         "--single-stream-tokens",
         "8",
+        "--single-stream-rounds",
+        "2",
         "--baseline",
         "hf",
         "--output",
@@ -58,3 +60,7 @@ def test_bench_offline_prints_json(tmp_path: Path) -> None:
         assert result["machine"][key] > 0
     assert result["cadenza"]["output_tok_s"] > 0 and result["hf"]["output_tok_s"] > 0
     assert result["output_tok_s_ratio_vs_hf"] > 0
+    for side in ("cadenza", "hf"):  # --single-stream-rounds 2: each paired with its own bound
+        rounds = result[side]["single_stream_rounds"]
+        assert len(rounds) == 2 and all(r["mem_read_gbps"] > 0 and r["decode_tok_s"] > 0 for r in rounds)
+        assert result[side]["single_stream_fraction_of_bound"] in [r["fraction"] for r in rounds]
