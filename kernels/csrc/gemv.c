@@ -33,23 +33,21 @@ static inline float dot(const float *row, const float *x, int64_t k_dim) {
     return sum;
 }
 
-/* One W row against up to four rows of x at once (x [rows, k], out strided by `stride`):
- * each load of W feeds every row, so k + 1 verification rows cost far less than k + 1
- * passes (SmolLM2's decode weights at 8 rows: 29 ms against 34 ms for the earlier loop). */
-static inline void dot_rows(const float *row, const float *x, int64_t k_dim, int rows, float bias, float *out,
-                            int64_t stride) {
+/* One W row against four rows of x at once (x [4, k], out strided by `stride`): each load
+ * of W feeds all four rows, so k + 1 verification rows cost far less than k + 1 passes
+ * (SmolLM2's decode weights at 5 rows: ~28 ms against ~33 ms for the earlier loop, 8 rows
+ * ~32 against ~39; a runtime row count in here measured no better than the old loop). */
+static inline void dot4(const float *row, const float *x, int64_t k_dim, float bias, float *out, int64_t stride) {
     v8 a[4][2] = {{{0}}};
     int64_t k = 0;
     for (; k + 16 <= k_dim; k += 16) {
         const v8 w0 = load8(row + k), w1 = load8(row + k + 8);
         for (int m = 0; m < 4; ++m) {
-            if (m < rows) {
-                a[m][0] += w0 * load8(x + m * k_dim + k);
-                a[m][1] += w1 * load8(x + m * k_dim + k + 8);
-            }
+            a[m][0] += w0 * load8(x + m * k_dim + k);
+            a[m][1] += w1 * load8(x + m * k_dim + k + 8);
         }
     }
-    for (int m = 0; m < rows; ++m) {
+    for (int m = 0; m < 4; ++m) {
         const v8 s = a[m][0] + a[m][1];
         float sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
         for (int64_t j = k; j < k_dim; ++j) sum += row[j] * x[m * k_dim + j];
@@ -65,11 +63,8 @@ void gemv_rows(const float *x, const float *w, const float *bias, float *y, int6
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < n_dim; ++n) {
         const float *row = w + n * k_dim, b = bias ? bias[n] : 0.0f;
-        if (m_dim == 1) {
-            y[n] = dot(row, x, k_dim) + b;
-            continue;
-        }
-        for (int64_t m = 0; m < m_dim; m += 4)
-            dot_rows(row, x + m * k_dim, k_dim, m_dim - m < 4 ? (int)(m_dim - m) : 4, b, y + m * n_dim + n, n_dim);
+        int64_t m = 0;
+        for (; m + 4 <= m_dim; m += 4) dot4(row, x + m * k_dim, k_dim, b, y + m * n_dim + n, n_dim);
+        for (; m < m_dim; ++m) y[m * n_dim + n] = dot(row, x + m * k_dim, k_dim) + b; /* one row: the stream */
     }
 }
