@@ -29,10 +29,17 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="16:256", help="output length range lo:hi (inclusive)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single-stream-tokens", type=int, default=128)
-    p.add_argument("--single-stream-rounds", type=int, default=3, help="rounds of (read GB/s, one decode run)")
+    rounds_help = "rounds of (read GB/s, one decode run)"
+    p.add_argument("--single-stream-rounds", type=_at_least_one, default=3, help=rounds_help)
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--output", default=None, help="also write the JSON here")
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _range(text: str) -> tuple[int, int]:

@@ -64,3 +64,9 @@ def test_bench_offline_prints_json(tmp_path: Path) -> None:
         rounds = result[side]["single_stream_rounds"]
         assert len(rounds) == 2 and all(r["mem_read_gbps"] > 0 and r["decode_tok_s"] > 0 for r in rounds)
         assert result[side]["single_stream_fraction_of_bound"] in [r["fraction"] for r in rounds]
+
+
+def test_bench_offline_rejects_zero_rounds() -> None:
+    out = run("bench", "offline", "--single-stream-rounds", "0")
+    assert out.returncode == 2
+    assert "--single-stream-rounds: must be a whole number >= 1, got '0'" in out.stderr
