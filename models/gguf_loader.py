@@ -30,11 +30,27 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+class _PlainArrayReader(gguf.GGUFReader):
+    """The gguf reader, parsing from a plain ndarray view of its memory map.
+
+    The reader slices `self.data` once or more per metadata value (SmolLM2 has ~100k vocabulary
+    and merge strings); on an `np.memmap` each slice runs the subclass's Python hooks, which made
+    parsing 6.4 s, against 2.4 s on the plain view of the same mapped bytes."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain = mapped.view(np.ndarray)  # the view keeps the map alive as its base
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
-        return gguf.GGUFReader(str(path))
+        return _PlainArrayReader(str(path))
     except Exception as e:  # the reader raises several types on garbage; report them as one
         raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
 

@@ -139,11 +139,16 @@ def _byte_alphabet() -> dict[int, str]:
     return chars
 
 
+@lru_cache(maxsize=1)
+def _byte_alphabet_chars() -> frozenset[str]:
+    return frozenset(_byte_alphabet().values())
+
+
 def _spell(token: str) -> str:
     """Tokens in a byte-level vocabulary are spelled in the byte alphabet; respell stray raw text."""
-    alphabet = _byte_alphabet()
-    if all(c in set(alphabet.values()) for c in token):
+    if _byte_alphabet_chars().issuperset(token):
         return token
+    alphabet = _byte_alphabet()
     return "".join(alphabet[b] for b in token.encode("utf-8"))
 
 
