@@ -25,7 +25,7 @@ lint: env
 	$(BIN)/ruff check .
 
 test: env lint chromium
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=15 tests
 
 # The chat-page test drives Debian's headless Chromium (Playwright's own browsers are not used).
 chromium:
