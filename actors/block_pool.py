@@ -79,6 +79,14 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def reset_cache(self) -> None:
+        """Forget every cached hash: the KV those blocks held is gone (the workers were rebuilt),
+        so a later lookup must miss rather than serve zeroed or stale KV."""
+        assert not any(b.ref_cnt for b in self.blocks), "reset_cache with blocks still referenced"
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

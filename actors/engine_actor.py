@@ -14,7 +14,7 @@ import os
 
 import msgspec
 from cadenza.actors.engine_core import EngineCore, EngineStats
-from cadenza.actors.executor import RayExecutor, WorkerFailure
+from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
 from cadenza.models.loader import load_tokenizer, max_model_len, read_model
 
 from cadenza.config import EngineConfig
@@ -70,6 +70,7 @@ class EngineActor:
             self.executor.shutdown()  # do not leave a half-built group holding resources
             raise
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        self._loop_task.add_done_callback(self._on_loop_exit)
         return self.core.max_model_len
 
     async def add_request(self, request: bytes) -> str | None:
@@ -130,29 +131,74 @@ class EngineActor:
             self._new_batch = asyncio.Event()
 
     async def _loop(self) -> None:
-        core = self.core
         while True:
-            if not core.has_unfinished() and not core.scheduler.finished_ids:
+            if not self.core.has_unfinished() and not self.core.scheduler.finished_ids:
                 self._has_work.clear()
                 await self._has_work.wait()
                 continue
+            await self._step()
+
+    async def _step(self) -> None:
+        """One step. A failure fails the requests it concerns: the step's own when a live
+        worker raised or processing its output did; every request when scheduling itself broke
+        (the scheduler's state is not to be trusted); never silently."""
+        core = self.core
+        try:
             so = core.scheduler.schedule()
-            try:
-                out = await self.executor.execute(so)
-            except WorkerFailure as e:
-                await self._recover(str(e))
-                continue
-            self._steps += 1
+        except Exception as e:
+            self._internal_error("scheduling", e, list(core.scheduler.requests))
+            return
+        self._publish(core.scheduler.take_failed())
+        try:
+            out = await self.executor.execute(so)
+        except StepError as e:
+            log.error("a step failed in a worker (%s); failing its %d requests", e, len(so.num_scheduled_tokens))
+            self._publish(core.fail_step(so, e))
+            return
+        except WorkerFailure as e:
+            await self._recover(str(e))
+            return
+        self._steps += 1
+        try:
             self._publish(core.scheduler.update(so, out))
+        except Exception as e:
+            self._internal_error("processing a step's output", e, list(so.num_scheduled_tokens))
+
+    def _internal_error(self, where: str, error: Exception, request_ids: list[str]) -> None:
+        log.exception("engine error while %s; failing %d requests", where, len(request_ids))
+        message = f"internal engine error while {where}: {type(error).__name__}: {error}"
+        try:
+            self._publish(self.core.scheduler.fail(request_ids, message))
+            self.core.scheduler.check_invariants()
+        except Exception as e:  # the state itself is broken: stop serving, and say why
+            self._go_fatal(f"{message}; then {type(e).__name__}: {e}")
+
+    def _go_fatal(self, reason: str) -> None:
+        """The engine cannot go on: /health reports the reason and no caller waits forever."""
+        self._fatal = reason
+        log.error(reason)
+        try:
+            outputs = self.core.fail_all(reason)
+        except Exception:  # fail every request we can still name, whatever the scheduler says
+            outputs = [
+                EngineOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=reason)
+                for rid in list(self.core.scheduler.requests)
+            ]
+        self._publish(outputs)
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._fatal:
+            return
+        error = task.exception()
+        self._go_fatal(f"the engine loop stopped: {type(error).__name__}: {error}")
 
     async def _recover(self, error: str) -> None:
-        log.error("%s; failing in-flight requests and rebuilding the workers", error)
-        self._publish(self.core.fail_all(error))
+        log.error("%s; failing running requests and rebuilding the workers", error)
+        # The KV is gone with the workers: no prefix-cache entry or block table survives it.
+        self._publish(self.core.reset_after_worker_loss(error))
         self._restarts += 1
         try:
             await self.executor.restart()
         except Exception as e:  # e.g. the cluster lost the resources: refuse work from now on
-            self._fatal = f"the engine could not rebuild its workers: {type(e).__name__}: {e}"
-            log.error(self._fatal)
-            self._publish(self.core.fail_all(self._fatal))
+            self._go_fatal(f"the engine could not rebuild its workers: {type(e).__name__}: {e}")
             raise

@@ -5,6 +5,8 @@ worker actors, and feeds their output back through update()."""
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from cadenza.actors.block_pool import BlockPool, BlockPoolStats
 from cadenza.actors.kv_cache_manager import KVCacheManager
@@ -16,7 +18,10 @@ from cadenza.models.config import ModelConfig
 from cadenza.models.loader import LoadedModel
 
 from cadenza.config import EngineConfig
-from cadenza.messages import EngineOutput, EngineRequest
+from cadenza.messages import EngineOutput, EngineRequest, SchedulerOutput
+from cadenza.request_limits import check_request
+
+log = logging.getLogger(__name__)
 
 
 class EngineStats(msgspec.Struct):
@@ -56,8 +61,14 @@ class EngineCore:
         self.num_blocks = num_kv_blocks(config, model_config)
         self.kv = KVCacheManager(BlockPool(self.num_blocks), config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.speculative_config
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            config.speculative_config,
+            config.request_timeout_s,
         )
+        self.limits = config.request_limits(model_config.vocab_size, max_model_len)
         self.runner = runner
         self._arrivals = 0
 
@@ -71,23 +82,34 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue; a request that can never run is refused here with the reason."""
-        self._validate(req)
-        if req.sampling_params.max_tokens is None:
-            room = self.max_model_len - len(req.prompt_token_ids)
-            req.sampling_params = msgspec.structs.replace(req.sampling_params, max_tokens=room)
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        req = self._normalize(req)
+        self._validate(req)
         self._arrivals += 1
         self.scheduler.add_request(Request(req, self.eos_token_ids, self._arrivals))
 
+    def _normalize(self, req: EngineRequest) -> EngineRequest:
+        """Priorities count only under the priority policy; max_tokens=None means as many as
+        fit both the context and the KV pool (a request bigger than the pool would preempt
+        itself and never be admitted again)."""
+        if self.config.scheduling_policy == "fcfs" and req.priority:
+            req = msgspec.structs.replace(req, priority=0)
+        if req.sampling_params.max_tokens is None:
+            capacity = min(self.max_model_len, self.kv.pool.num_blocks * self.config.block_size)
+            room = capacity - len(req.prompt_token_ids)
+            if room < 1:
+                raise ValueError(
+                    f"the prompt ({len(req.prompt_token_ids)} tokens) leaves no room to generate: the context "
+                    f"and KV pool hold {capacity} tokens"
+                )
+            req.sampling_params = msgspec.structs.replace(req.sampling_params, max_tokens=room)
+        return req
+
     def _validate(self, req: EngineRequest) -> None:
         prompt = req.prompt_token_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        max_tokens = req.sampling_params.max_tokens or 1
+        check_request(req.sampling_params, prompt, self.limits)
+        max_tokens = req.sampling_params.max_tokens
         if len(prompt) + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
@@ -107,18 +129,29 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
+        """One step in this process. An exception from the runner fails the step's requests
+        alone: nothing else was touched, and the runner drops them with the next step."""
         so = self.scheduler.schedule()
-        out = self.runner.execute(so)
-        return self.scheduler.update(so, out)
+        failed = self.scheduler.take_failed()
+        try:
+            out = self.runner.execute(so)
+        except Exception as e:
+            log.exception("a step failed; failing its requests")
+            return failed + self.fail_step(so, e)
+        return failed + self.scheduler.update(so, out)
+
+    def fail_step(self, so: SchedulerOutput, error: BaseException) -> list[EngineOutput]:
+        message = f"the request failed during a step: {type(error).__name__}: {error}"
+        return self.scheduler.fail(list(so.num_scheduled_tokens), message)
 
     def fail_all(self, error: str) -> list[EngineOutput]:
-        """End every request with an error (its workers are gone) and free all its blocks."""
-        ids = list(self.scheduler.requests)
-        outputs = self.scheduler.abort(ids)
-        for out in outputs:
-            out.finish_reason, out.error = "error", error
-        self.scheduler.finished_ids.clear()  # the rebuilt workers hold no state to drop
+        """End every request with an error (the engine cannot go on) and free all its blocks."""
+        outputs = self.scheduler.fail(list(self.scheduler.requests), error)
+        self.scheduler.finished_ids.clear()
         return outputs
+
+    def reset_after_worker_loss(self, error: str) -> list[EngineOutput]:
+        return self.scheduler.reset_after_worker_loss(error)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

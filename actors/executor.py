@@ -44,7 +44,18 @@ log = logging.getLogger(__name__)
 
 
 class WorkerFailure(RuntimeError):
-    """A worker died or raised: every in-flight request is lost and the workers are rebuilt."""
+    """A worker died, a collective broke or the device failed: the workers' KV is lost, so the
+    running requests fail and the workers are rebuilt."""
+
+
+class StepError(RuntimeError):
+    """A step raised inside a live worker (its input broke the forward pass): the step's
+    requests fail, the workers and every other request go on."""
+
+
+# Errors after which a live worker still cannot be trusted: the device context or a
+# collective is broken, so it is rebuilt like a dead one.
+_FATAL_MARKERS = ("CUDA", "NCCL", "cuDNN", "Gloo", "gloo", "ProcessGroup", "distributed")
 
 
 class RayExecutor:
@@ -165,10 +176,21 @@ class RayExecutor:
                 refs += [w.execute.remote(data, ref) for w, ref in zip(stage, refs[-len(stage) :], strict=True)]
         try:
             results = await asyncio.gather(*refs)
+        except ray.exceptions.RayTaskError as e:
+            raise self._classify(e) from e
         except ray.exceptions.RayError as e:
             raise WorkerFailure(f"a worker failed during a step: {type(e).__name__}: {_first_line(e)}") from e
         driver = results[-len(self.stages[-1])]  # the last stage's rank 0
         return _output_decoder.decode(driver) if driver else ModelRunnerOutput(sampled={})
+
+    def _classify(self, e: ray.exceptions.RayTaskError) -> RuntimeError:
+        """An exception raised by Worker.execute in a live actor. With tensor parallelism the
+        peers may sit in a collective the failed rank never joined, so that is a worker fault."""
+        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+        text = f"{type(cause).__name__}: {_first_line(cause)}"
+        if self.config.tensor_parallel_size > 1 or any(m in text for m in _FATAL_MARKERS):
+            return WorkerFailure(f"a worker failed during a step: {text}")
+        return StepError(text)
 
     def shutdown(self) -> None:
         # Kill first: a graph's teardown waits for every worker's loop, and a survivor may sit

@@ -89,6 +89,14 @@ class KVCacheManager:
         self.pool.release(blocks[::-1])
         self.num_published.pop(req.request_id, None)
 
+    def reset(self) -> None:
+        """After the workers' KV is lost: no request holds blocks any more (the caller freed
+        them) and no cached block may be found again."""
+        assert not any(self.blocks.values()), "reset while requests still hold blocks"
+        self.blocks.clear()
+        self.num_published.clear()
+        self.pool.reset_cache()
+
     def forget(self, req: Request) -> None:
         """Drop per-request bookkeeping once the request is gone for good."""
         self.free(req)

@@ -3,6 +3,7 @@ over a flattened (varlen) batch, and samples."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -136,7 +137,7 @@ class ModelRunner:
             return pack_hidden(x, residual)
         hidden = model.final_norm(x, residual)
         out = self._sample(hidden, batch)
-        out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
+        out.prompt_logprobs = self._prompt_logprobs(hidden, batch, out.failed)
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -191,12 +192,43 @@ class ModelRunner:
             row += n
         out = ModelRunnerOutput(sampled={}, logprobs={})
         if plain:
-            tokens, logprobs = sample(logits[plain_rows], [self._row(r) for r in plain])
-            self._record(out, plain, [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs])
+            self._sample_plain(out, logits, plain, plain_rows)
         if spec:
-            rows = [SpecRow(self._row(r), r.spec_token_ids, self._draft_probs(r.req_id)) for r in spec]
-            self._record(out, spec, *verify(logits[spec_rows], rows))
+            self._verify(out, logits, spec, spec_rows)
         return out
+
+    # A request's own settings can still break sampling (a value no check foresaw): the batch
+    # is then sampled again one request at a time, and only the request that fails alone is
+    # reported in `failed`. The forward pass is never repeated.
+
+    def _sample_plain(self, out: ModelRunnerOutput, logits: torch.Tensor, reqs: list, rows: list[int]) -> None:
+        try:
+            tokens, logprobs = sample(logits[rows], [self._row(r) for r in reqs])
+        except Exception as e:
+            self._one_by_one(out, e, reqs, rows, lambda r, row: self._sample_plain(out, logits, [r], [row]))
+            return
+        self._record(out, reqs, [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs])
+
+    def _verify(self, out: ModelRunnerOutput, logits: torch.Tensor, reqs: list, rows: list[int]) -> None:
+        try:
+            spec_rows = [SpecRow(self._row(r), r.spec_token_ids, self._draft_probs(r.req_id)) for r in reqs]
+            result = verify(logits[rows], spec_rows)
+        except Exception as e:
+            per_req, at = [], 0
+            for r in reqs:
+                per_req.append(rows[at : at + len(r.spec_token_ids) + 1])
+                at += len(r.spec_token_ids) + 1
+            self._one_by_one(out, e, reqs, per_req, lambda r, rr: self._verify(out, logits, [r], rr))
+            return
+        self._record(out, reqs, *result)
+
+    @staticmethod
+    def _one_by_one(out: ModelRunnerOutput, error: Exception, reqs: list, rows: list, retry: Callable) -> None:
+        if len(reqs) == 1:
+            out.failed[reqs[0].req_id] = f"sampling failed: {type(error).__name__}: {error}"
+            return
+        for req, row in zip(reqs, rows, strict=True):
+            retry(req, row)
 
     def _draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.proposer.draft_probs(req_id) if self.proposer is not None else None
@@ -232,7 +264,9 @@ class ModelRunner:
         eos = () if params.ignore_eos else self.eos_token_ids
         return (*eos, *params.stop_token_ids)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: Batch) -> dict[str, list[TokenLogprobs]]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, batch: Batch, failed: dict[str, str]
+    ) -> dict[str, list[TokenLogprobs]]:
         """Rows at prompt positions p < num_prompt - 1 predict prompt token p + 1."""
         result: dict[str, list[TokenLogprobs]] = {}
         # Every TP rank takes the same branches: compute_logits is a collective.
@@ -244,5 +278,8 @@ class ModelRunner:
             if k is None or start >= stop:
                 continue
             logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + stop - start]).cpu()
-            result[req.req_id] = prompt_logprobs(logits, req.token_ids[start + 1 : stop + 1], k)
+            try:
+                result[req.req_id] = prompt_logprobs(logits, req.token_ids[start + 1 : stop + 1], k)
+            except Exception as e:  # this request's own setting; the rest of the batch goes on
+                failed[req.req_id] = f"prompt logprobs failed: {type(e).__name__}: {e}"
         return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from cadenza.messages import EngineRequest, TokenLogprobs
+from cadenza.messages import EngineRequest
 from cadenza.sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.num_prompt_logprobs = 0  # prompt positions whose logprobs were already reported
         self.spec_token_ids: list[int] = []  # drafts for the next step, verified as extra tokens
         self.num_drafts = 0  # steps that verified drafts
         self.num_draft_tokens = 0

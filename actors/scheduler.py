@@ -47,8 +47,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         spec: SpeculativeConfig | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.kv = kv
+        self.request_timeout_s = request_timeout_s
         self.spec = spec
         self.spec_stats = SpecDecodeStats()
         self.max_num_seqs = max_num_seqs
@@ -60,6 +62,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
+        # Requests the scheduler itself ended (deadline passed, can never fit): their outputs
+        # wait here for the engine to publish (schedule() returns the step's plan only).
+        self.failed: list[EngineOutput] = []
         self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
@@ -80,7 +85,32 @@ class Scheduler:
             outputs.append(EngineOutput(request_id=rid, new_token_ids=[], finish_reason="abort"))
         return outputs
 
+    def fail(self, request_ids: list[str], error: str) -> list[EngineOutput]:
+        """End these requests alone with an error (their input broke a step, or their deadline
+        passed); everyone else goes on."""
+        outputs = self.abort(request_ids)
+        for out in outputs:
+            out.finish_reason, out.error = "error", error
+        return outputs
+
+    def take_failed(self) -> list[EngineOutput]:
+        failed, self.failed = self.failed, []
+        return failed
+
+    def reset_after_worker_loss(self, error: str) -> list[EngineOutput]:
+        """The workers were rebuilt and every KV block's contents are gone. Running requests
+        fail (their partial output was already streamed); waiting ones, preempted included,
+        hold no blocks and run again from their tokens. The prefix-cache index is emptied,
+        so nothing is ever served from lost KV."""
+        outputs = self.fail([r.request_id for r in self.running], error)
+        for req in self.waiting:
+            req.num_computed_tokens, req.spec_token_ids = 0, []
+        self.kv.reset()
+        self.finished_ids.clear()  # the rebuilt workers hold no state to drop
+        return outputs
+
     def schedule(self) -> SchedulerOutput:
+        self._expire()
         budget = self.max_num_batched_tokens
         so = SchedulerOutput(
             new_requests=[],
@@ -111,6 +141,8 @@ class Scheduler:
         # Admitting new work right after preempting would only thrash the pool.
         if not preempted:
             self._admit(budget, so)
+            if not so.num_scheduled_tokens and not self.running:
+                self._fail_unadmittable()
         if self.spec is not None:
             self._plan_proposals(so)
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
@@ -207,6 +239,22 @@ class Scheduler:
             so.num_scheduled_tokens[req.request_id] = n
             budget -= n
 
+    def _fail_unadmittable(self) -> None:
+        """Nothing runs and the pool is free, yet the head of the queue was not admitted: it
+        can never fit, so it fails now rather than waiting forever."""
+        head = next((r for r in self.waiting if not self._waits_for_leader(r)), None)
+        if head is not None:
+            message = f"the request needs more KV blocks than the pool's {self.kv.pool.num_blocks}"
+            self.failed += self.fail([head.request_id], message)
+
+    def _expire(self) -> None:
+        if self.request_timeout_s is None:
+            return
+        now, limit = time.time(), self.request_timeout_s
+        late = [rid for rid, r in self.requests.items() if now - r.arrival_time > limit]
+        if late:
+            self.failed += self.fail(late, f"the request ran past request_timeout_s={limit:g} s")
+
     def _start(self, req: Request, num_hit: int) -> None:
         self.kv.record_lookup(req, num_hit)
         if req.status == RequestStatus.WAITING:  # first admission, not a resume
@@ -234,11 +282,14 @@ class Scheduler:
 
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineOutput]:
         """Advance every scheduled request by what was computed and sampled; emit deltas."""
-        outputs = []
+        outputs = self.fail([rid for rid in out.failed if rid in self.requests], "") if out.failed else []
+        for output in outputs:
+            output.error = out.failed[output.request_id]
         for rid, n in so.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted meanwhile
+                continue  # aborted, failed or preempted meanwhile
+            start = req.num_computed_tokens
             tokens = out.sampled.get(rid, [])
             drafts = so.scheduled_spec_tokens.get(rid, [])
             accepted = max(len(tokens) - 1, 0) if drafts else 0
@@ -250,10 +301,18 @@ class Scheduler:
             if drafts:
                 self._record_spec(req, output, len(drafts), accepted)
             output.new_logprobs = out.logprobs.get(rid, [])[: len(output.new_token_ids)]
-            output.new_prompt_logprobs = out.prompt_logprobs.get(rid, [])
+            output.new_prompt_logprobs = self._new_prompt_logprobs(req, start, out.prompt_logprobs.get(rid, []))
             if output.new_token_ids or output.new_prompt_logprobs or output.finish_reason:
                 outputs.append(output)
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, start: int, logprobs: list) -> list:
+        """Positions [start, start + len) were computed; after a preemption the prompt is
+        computed again from 0, and positions already reported must not be sent twice."""
+        new = logprobs[max(req.num_prompt_logprobs - start, 0) :]
+        req.num_prompt_logprobs = max(req.num_prompt_logprobs, start + len(logprobs))
+        return new
 
     def _record_spec(self, req: Request, output: EngineOutput, num_drafts: int, accepted: int) -> None:
         req.num_drafts += 1

@@ -33,6 +33,7 @@ from cadenza.output_processor import SequenceState
 from cadenza.outputs import CompletionOutput, RequestOutput
 from cadenza.pacing import Pacer, QueueItem
 from cadenza.prompts import PendingRequest, Prompt, fan_out, require_tokenizer, tokenize
+from cadenza.request_limits import check_request
 from cadenza.sampling_params import SamplingParams
 
 _batch_decoder = msgspec.msgpack.Decoder(OutputBatch)
@@ -49,15 +50,66 @@ class RequestFailedError(RuntimeError):
     """The engine ended this request with an error (e.g. a worker died mid-step)."""
 
 
+LOOPBACK = "127.0.0.1"
+NODE_IP_ENV = "CADENZA_RAY_NODE_IP"
+
+
+def local_ray_options(num_cpus: int, node_ip_address: str | None = None) -> dict[str, Any]:
+    """ray.init kwargs for a private, local Ray instance: node IP from the argument, else
+    $CADENZA_RAY_NODE_IP, else loopback. Start it with init_local_ray (it needs one more step)."""
+    node_ip = node_ip_address or os.environ.get(NODE_IP_ENV) or LOOPBACK
+    return dict(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=node_ip)
+
+
+def init_local_ray(num_cpus: int, node_ip_address: str | None = None, **init_kwargs: Any) -> None:
+    """Start a new local Ray instance that listens on loopback only (unless a node IP is given).
+
+    Why it takes more than `_node_ip_address="127.0.0.1"` (Ray 2.60, read from its source and
+    checked with `ss`; the test is tests/deploy/test_ray_loopback.py): every component picks its
+    bind address from the node IP, and ray.init rewrites a loopback node IP into the host's
+    routable one (services.resolve_ip_for_localhost -> get_node_ip_address) unless
+    ray_constants.ENABLE_RAY_CLUSTER is false, which is what RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    sets on macOS/Windows, read once when ray is imported. So ENABLE_RAY_CLUSTER is false while
+    ray.init resolves the node IP, and the node IP is then 127.0.0.1, so that:
+      - GCS, raylet (node manager and object manager) and every worker's gRPC server bind
+        127.0.0.1 instead of all interfaces (`*` / `::`), the C++ side choosing
+        listen_to_localhost_only when the node IP is "127.0.0.1";
+      - the dashboard agent's gRPC, HTTP (52365) and metrics-export servers
+        (dashboard/agent.py, http_server_agent.py, reporter_agent.py) and the autoscaler
+        monitor's (44217) and headless dashboard's (44227) Prometheus servers (monitor.py,
+        dashboard/head.py) bind loopback when `is_localhost(node_ip)`, else 0.0.0.0 / the node IP;
+      - the runtime-env agent binds the node IP itself;
+      - the dashboard HTTP server (dashboard_host) is not started (include_dashboard=False); the
+        headless dashboard process still runs for its metrics port.
+    Children take the node IP from their command line, so the flag only matters here, and it is
+    put back afterwards. A node IP that is not loopback gives Ray's own defaults: servers on all
+    interfaces, advertising that address (for other machines to join, use `ray start` instead).
+    """
+    from ray._common.network_utils import is_localhost
+    from ray._private import ray_constants
+
+    options = {**local_ray_options(num_cpus, node_ip_address), **init_kwargs}
+    loopback = is_localhost(options["_node_ip_address"])
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = saved and not loopback
+    try:
+        ray.init(**options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
 def ensure_ray(min_cpus: int) -> None:
     """Join the running Ray cluster if there is one (RAY_ADDRESS or a local `ray start`),
-    else start a local instance with at least one logical CPU per worker."""
+    else start a local instance, listening on loopback only, with at least one logical CPU
+    per worker."""
     if ray.is_initialized():
         return
     try:
         ray.init(address="auto", logging_level="warning")
     except ConnectionError:
-        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, logging_level="warning")
+        if os.environ.get("RAY_ADDRESS"):  # a cluster was asked for: not a private one instead
+            raise
+        init_local_ray(max(os.cpu_count() or 1, min_cpus), logging_level="warning")
 
 
 class AsyncLLM:
@@ -77,7 +129,9 @@ class AsyncLLM:
         except ray.exceptions.RayError as e:
             ray.kill(self.engine)
             raise RuntimeError(f"the engine failed to start: {e}") from e
+        self.request_limits = self.config.request_limits(self.model_config.vocab_size, self.max_model_len)
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
+        self._families: dict[str, list[str]] = {}  # request id -> its engine sequences (n > 1)
         self._pump: asyncio.Task[None] | None = None
         self._dead: str | None = None
         self._ids = itertools.count()
@@ -92,20 +146,25 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         pace: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request: each output holds only what is new since the last one.
 
         pace: when a step brings several tokens (speculative decoding), yield them one per
-        delta, spread over the request's recent step interval instead of in one burst."""
+        delta, spread over the request's recent step interval instead of in one burst.
+        cache_salt: mixed into every KV block hash, so requests with another salt (another
+        tenant) never share this request's cached prefix."""
         self._check_alive()
         params = sampling_params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
+        check_request(params, ids, self.request_limits)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer)
-        if any(r.request_id in self._queues for r in requests):
+        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer, cache_salt)
+        if rid in self._families or any(r.request_id in self._queues for r in requests):
             raise ValueError(f"request id {rid!r} is already in use")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues.update(dict.fromkeys(pending.seqs, queue))
+        self._families[rid] = list(pending.seqs)
         self._ensure_pump()
         pacer = Pacer(queue, enabled=pace)
         try:
@@ -120,6 +179,7 @@ class AsyncLLM:
                     if delta is not None:
                         yield delta
         finally:
+            self._families.pop(rid, None)
             for child in pending.seqs:
                 self._queues.pop(child, None)
             unfinished = [child for child, seq in pending.seqs.items() if not seq.finished]
@@ -155,8 +215,9 @@ class AsyncLLM:
         return _delta(pending, seq, text, new_tokens, new_logprobs, accepted)
 
     async def abort(self, request_id: str) -> None:
-        children = [rid for rid in self._queues if rid == request_id or rid.startswith(f"{request_id}-")]
-        await self.engine.abort.remote(children or [request_id])
+        """Abort exactly this request (all n of its sequences), never another whose id merely
+        starts the same way."""
+        await self.engine.abort.remote(self._families.get(request_id, [request_id]))
 
     async def stats(self) -> ActorStats:
         self._check_alive()

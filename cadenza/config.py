@@ -7,6 +7,14 @@ from typing import Any
 
 import torch
 
+from cadenza.request_limits import (
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+    RequestLimits,
+)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # 2 GiB of KV cache holds ~45k SmolLM2 tokens in fp32; enough for the CPU benchmarks.
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
@@ -81,6 +89,13 @@ class EngineConfig:
     model (measured: +60% step time at batch 32 on 2 cores, vs +1% for actor calls).
 
     speculative_config: a SpeculativeConfig or its dict; None turns speculation off.
+
+    scheduling_policy: "fcfs" admits in arrival order and ignores request priorities;
+    "priority" admits (and preempts) by (priority, arrival), lower first, as vLLM does.
+    Request limits, checked before any work (cadenza.request_limits): max_logprobs caps
+    logprobs and prompt_logprobs; max_stop_strings / max_stop_string_chars /
+    max_stop_token_ids bound the stop conditions. request_timeout_s: a request still
+    unfinished this long after it arrived ends with an error saying so (None: no deadline).
     """
 
     model: str
@@ -102,6 +117,11 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0
     use_compiled_graph: bool | None = None
     speculative_config: SpeculativeConfig | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -119,12 +139,27 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        limits = ("max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids")
+        if any(getattr(self, name) < 0 for name in limits):
+            raise ValueError(f"{', '.join(limits)} must be non-negative")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
 
     @property
     def compiled_graph(self) -> bool:
         if self.use_compiled_graph is None:
             return self.device.startswith("cuda")
         return self.use_compiled_graph
+
+    def request_limits(self, vocab_size: int, max_model_len: int) -> RequestLimits:
+        return RequestLimits(
+            vocab_size,
+            max_model_len,
+            self.max_logprobs,
+            self.max_stop_strings,
+            self.max_stop_string_chars,
+            self.max_stop_token_ids,
+        )
 
     @property
     def world_size(self) -> int:

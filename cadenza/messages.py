@@ -76,6 +76,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
     # Speculative decoding: the proposer's drafts for each request's next step.
     draft_token_ids: dict[str, list[int]] = {}
+    # Requests whose own input broke their part of the step (sampling, logprobs): id -> why.
+    # They fail alone; the rest of the batch is unharmed.
+    failed: dict[str, str] = {}
 
 
 class HiddenStates(msgspec.Struct, kw_only=True):

@@ -75,15 +75,21 @@ class SequenceState:
         return self._check_stop_strings(before)
 
     def _check_stop_strings(self, before: int) -> bool:
-        """Find a stop string that ends in the new text (it may start in older text)."""
-        for stop in self.params.stop:
-            at = self.text.find(stop, max(before - len(stop) + 1, 0))
-            if at >= 0:
-                end = at + len(stop) if self.params.include_stop_str_in_output else at
-                self.text = self.text[:end]
-                self.finish_reason, self.stop_reason = "stop", stop
-                return True
-        return False
+        """The stop string that appears earliest in the text, ending in the new text (it may
+        start in older text). None counts before min_tokens tokens exist, as in vLLM."""
+        if not self.params.stop or len(self.token_ids) < self.params.min_tokens:
+            return False
+        found = [(at, stop) for stop in self.params.stop if (at := self._find(stop, before)) >= 0]
+        if not found:
+            return False
+        at, stop = min(found, key=lambda f: (f[0], -len(f[1])))
+        end = at + len(stop) if self.params.include_stop_str_in_output else at
+        self.text = self.text[:end]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def _find(self, stop: str, before: int) -> int:
+        return self.text.find(stop, max(before - len(stop) + 1, 0))
 
     def visible_delta(self) -> str:
         """New text safe to show while streaming: held back while it could still begin a stop string."""

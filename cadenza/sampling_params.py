@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 # top_k values meaning "no top-k filter" (vLLM accepted -1 before it settled on 0).
 _TOP_K_OFF = (0, -1)
+# Below this temperature sampling is greedy, as in vLLM: dividing logits by ~0 overflows to
+# inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
+_INT64_MAX = (1 << 63) - 1
+_UINT64_MAX = (1 << 64) - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -36,9 +43,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_numbers()
         self._check_counts()
         self._check_distribution()
         self._check_penalties()
+
+    def _check_numbers(self) -> None:
+        """Every integer within int64 (torch's index type) and every float finite: a value
+        past either fails inside a worker's step instead of here."""
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in floats:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        ints = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "num_speculative_tokens")
+        for name in ints:
+            value = getattr(self, name)
+            if value is not None and not -_INT64_MAX <= value <= _INT64_MAX:
+                raise ValueError(f"{name} is out of range (a 64-bit signed integer), got {value}")
+        if self.seed is not None and not -_INT64_MAX - 1 <= self.seed <= _UINT64_MAX:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+        if any(not -_INT64_MAX <= t <= _INT64_MAX for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (64-bit integers)")
 
     def _check_counts(self) -> None:
         if self.n < 1:
@@ -78,8 +103,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 means argmax, as in vLLM and the OpenAI API."""
-        return self.temperature == 0.0
+        """Temperature 0 (or below GREEDY_TEMPERATURE) means argmax, as in vLLM and the OpenAI API."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def effective_top_k(self) -> int:

@@ -16,13 +16,33 @@ class GatewaySettings:
         `openai-insecure-api-key.<key>` instead, as OpenAI's Realtime API accepts).
     allowed_origins: Origin values accepted on websocket handshakes; empty means only the
         server's own origin. Clients that send no Origin (SDKs, curl) are not browsers and pass.
-    max_frame_bytes: largest client message we read; bigger ones get an `error` event.
-        Frames over 4x this are cut off by the websocket layer itself (close code 1009).
+    max_frame_bytes: largest client message we read, in bytes (UTF-8); bigger ones get an
+        `error` event. Frames over 4x this are cut off by the websocket layer itself (close
+        code 1009). Binary frames are answered with an `error` event, never parsed.
+    max_request_bytes: largest HTTP request body, counted while it is read (413 past it).
+    max_json_depth: deepest nesting of arrays/objects in a body or frame (400 / `error`).
+    max_messages: messages in one chat request or response input (400 / `error`).
+    max_stream_id_chars: longest websocket lane name (`stream_id`).
+    max_lanes_per_socket: distinct lanes (`stream_id`s) one socket may have open at once.
     max_concurrent_requests / max_queued_requests: responses running in the engine, and
         waiting beyond those; once both are full a new response is refused at once with
         an `error` event (code `server_overloaded`, `retry_after_ms`).
     max_responses_per_socket: responses in flight (running or queued in lanes) per socket.
-    max_sockets_per_client: open websockets per client address.
+    max_sockets_per_client: open websockets per client (the API key when one is sent, else
+        the address).
+    max_responses_per_client: responses in flight per client (same key), HTTP and websocket
+        together; kept below max_concurrent_requests + max_queued_requests so one client
+        cannot take the whole server.
+    allowed_hosts: `Host` header values accepted (HTTP and websocket, port optional); empty
+        means the loopback names and the bound address (a DNS-rebinding guard).
+    send_timeout_s: a send to a client that cannot complete in this time cancels that
+        response and frees its place (a stalled reader holds nothing for long).
+    idle_timeout_s: an HTTP keep-alive connection with no request for this long is closed.
+    header_timeout_s: a connection that has not sent its whole request head in this time is
+        closed (slow-header clients).
+    max_connections: open connections the server accepts (uvicorn's limit_concurrency;
+        past it new connections get 503).
+    drain_timeout_s: on SIGTERM, how long in-flight responses may run before they are ended.
     response_store_size / response_store_ttl_s: finished responses kept for
         `previous_response_id` (least recently used dropped first, and after the TTL).
     default_max_output_tokens: when a request does not say (bounded by the context).
@@ -37,10 +57,22 @@ class GatewaySettings:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_frame_bytes: int = 1 << 20
+    max_request_bytes: int = 1 << 20
+    max_json_depth: int = 32
+    max_messages: int = 512
+    max_stream_id_chars: int = 128
+    max_lanes_per_socket: int = 16
     max_concurrent_requests: int = 128
     max_queued_requests: int = 256
     max_responses_per_socket: int = 64
     max_sockets_per_client: int = 64
+    max_responses_per_client: int = 64
+    allowed_hosts: tuple[str, ...] = ()
+    send_timeout_s: float = 30.0
+    idle_timeout_s: float = 5.0
+    header_timeout_s: float = 10.0
+    max_connections: int = 1024
+    drain_timeout_s: float = 30.0
     response_store_size: int = 1024
     response_store_ttl_s: float = 3600.0
     default_max_output_tokens: int = 512
@@ -52,6 +84,13 @@ class GatewaySettings:
             "max_concurrent_requests": self.max_concurrent_requests,
             "max_responses_per_socket": self.max_responses_per_socket,
             "max_sockets_per_client": self.max_sockets_per_client,
+            "max_request_bytes": self.max_request_bytes,
+            "max_json_depth": self.max_json_depth,
+            "max_messages": self.max_messages,
+            "max_stream_id_chars": self.max_stream_id_chars,
+            "max_lanes_per_socket": self.max_lanes_per_socket,
+            "max_responses_per_client": self.max_responses_per_client,
+            "max_connections": self.max_connections,
             "response_store_size": self.response_store_size,
             "default_max_output_tokens": self.default_max_output_tokens,
         }
@@ -60,11 +99,35 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_queued_requests < 0 or self.response_store_ttl_s <= 0:
             raise ValueError("max_queued_requests must be >= 0 and response_store_ttl_s > 0")
+        for name in ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (omit it to serve without a key)")
+        capacity = self.max_concurrent_requests + self.max_queued_requests
+        if self.max_responses_per_client >= capacity and capacity > 1:
+            raise ValueError(
+                f"max_responses_per_client ({self.max_responses_per_client}) must stay below the server's "
+                f"capacity, max_concurrent_requests + max_queued_requests ({capacity})"
+            )
 
     @property
     def own_origins(self) -> tuple[str, ...]:
         hosts = {self.host, "localhost", "127.0.0.1"} if self.host in ("127.0.0.1", "localhost") else {self.host}
         return tuple(f"http://{h}:{self.port}" for h in sorted(hosts))
+
+    @property
+    def own_hosts(self) -> tuple[str, ...]:
+        """Host header names accepted when allowed_hosts is empty."""
+        return tuple(sorted({self.host, "localhost", "127.0.0.1", "[::1]"}))
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        """The Host header, port stripped, is one of ours (absent: not a browser, allowed)."""
+        if host_header is None:
+            return True
+        name = host_header.strip().lower()
+        name = name[: name.index("]") + 1] if name.startswith("[") and "]" in name else name.split(":", 1)[0]
+        return name in {h.lower() for h in (self.allowed_hosts or self.own_hosts)}
 
     def key_accepts(self, candidates: list[str]) -> bool:
         """No key configured, or one candidate equals it (compared in constant time)."""

@@ -161,13 +161,16 @@ def fused_add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as norm.fused_add_rms_norm_triton (residual None: plain RMSNorm)."""
-    x = x.contiguous()
+    # NOTE: every tensor whose pointer C reads is bound to a name for the whole call: a
+    # temporary `t.contiguous().data_ptr()` copy may be freed before C reads it.
+    x, weight = x.contiguous(), weight.contiguous()
+    residual = residual.contiguous() if residual is not None else None
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
-    res_ptr = residual.contiguous().data_ptr() if residual is not None else None
+    res_ptr = residual.data_ptr() if residual is not None else None
     cols = x.shape[-1]
     _elementwise("add_rms_norm").add_rms_norm(
-        x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(), res_out.data_ptr(),
+        x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), res_out.data_ptr(),
         x.numel() // cols, cols, eps, torch.get_num_threads(),
     )  # fmt: skip
     return out, res_out
@@ -248,13 +251,15 @@ class DecodeStackKernel:
         """(last mlp output, residual stream) for one token x [1, hidden], as the layers' forwards."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(self.layers)} layers but {len(kv_caches)} KV caches")
-        x = x.contiguous()
+        # Bound to names for the whole call (a temporary copy's pointer may dangle).
+        x, cos_sin, block_table = x.contiguous(), cos_sin.contiguous(), block_table.contiguous()
+        residual = None if residual is None else residual.contiguous()
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         self.dims[5] = kv_caches[0][0].shape[1]  # the block size is the cache's, known only here
         status = self.lib.decode_layers(
             self.pointers, len(self.layers), self.dims, self.eps, self.scale, x.data_ptr(),
-            None if residual is None else residual.contiguous().data_ptr(), out.data_ptr(), res_out.data_ptr(),
-            cos_sin.contiguous().data_ptr(), _pointers([k for k, _ in kv_caches]), _pointers([v for _, v in kv_caches]),
+            None if residual is None else residual.data_ptr(), out.data_ptr(), res_out.data_ptr(),
+            cos_sin.data_ptr(), _pointers([k for k, _ in kv_caches]), _pointers([v for _, v in kv_caches]),
             slot, block_table.data_ptr(), seq_len, self.scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:

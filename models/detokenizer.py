@@ -38,6 +38,11 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         before = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip)
+        if self.read == self.num_prompt:
+            # The prompt's last token may end in the first bytes of a character that the first
+            # output token completes: that character was never emitted, so it belongs to the
+            # output (without this it was lost: `after` is then no longer than `before`).
+            before = before.rstrip(_PARTIAL)
         after = self.tokenizer.decode(self.ids[self.prefix :], self.skip)
         if len(after) <= len(before) or (after.endswith(_PARTIAL) and not final):
             return ""

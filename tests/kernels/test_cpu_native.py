@@ -122,3 +122,35 @@ def test_the_few_rows_gemv_matches_a_matmul(rows: int, out_features: int, bias: 
     # Outputs are ~sqrt(in_features) in size; the kernel sums in a different order than MKL.
     atol = 2e-6 * in_features**0.5
     torch.testing.assert_close(cpu_native.linear_few_rows(x, weight, b), expected, atol=atol, rtol=1e-5)
+
+
+def test_no_pointer_is_taken_from_a_temporary() -> None:
+    """`t.contiguous().data_ptr()` inline: when contiguous() copies, the copy has no name and
+    may be freed before the C function reads it. Every pointer must come from a bound tensor."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cpu_native))
+    temporaries = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "data_ptr"
+        and isinstance(node.func.value, ast.Call)
+    ]
+    assert not temporaries, f"data_ptr() of a temporary at lines {temporaries} of cpu_native.py"
+
+
+def test_strided_inputs_give_the_contiguous_answer() -> None:
+    """Transposed (non-contiguous) residual and weight views are copied and kept alive for the call."""
+    torch.manual_seed(7)
+    x = torch.randn(5, 576)
+    residual = torch.randn(576, 5).t()  # a view whose contiguous() copies
+    weight = (torch.rand(2, 576) + 0.5)[0]
+    weight_strided = torch.stack([weight, weight], dim=1)[:, 0]
+    assert not residual.is_contiguous() and not weight_strided.is_contiguous()
+    out, summed = cpu_native.fused_add_rms_norm_cpu(x, residual, weight_strided, 1e-5)
+    ref_out, ref_summed = fused_add_rms_norm_ref(x, residual.contiguous(), weight, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
