@@ -19,7 +19,7 @@ from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cadenza.gateway.protocol import error_object
-from cadenza.gateway.state import GatewayState, RequestError, new_id
+from cadenza.gateway.state import GatewayState, RequestError, new_id, presented_key, tenant_salt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -73,6 +73,7 @@ class OpenAIHttp:
             message = "the server is at capacity; retry shortly"
             return error_response(429, message, "server_overloaded", **{"Retry-After": retry})
         run = _Run(self.state, body, chat, prompt_ids, params)
+        run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
         run.observation = Observation(
             self.state.metrics, self.state.tracing, "chat" if chat else "text_completion", request.headers, params
         )
@@ -112,7 +113,9 @@ class OpenAIHttp:
                 "messages" if chat else "prompt",
             )
         default = min(state.settings.default_max_output_tokens, room) if chat else min(16, room)
-        return prompt_ids, body.sampling_params(wanted or default, body.num_logprobs)
+        params = body.sampling_params(wanted or default, body.num_logprobs)
+        state.check(params, prompt_ids, "messages" if chat else "prompt")
+        return prompt_ids, params
 
 
 def _chat_message(m: Any) -> dict[str, str]:
@@ -139,11 +142,12 @@ class _Run:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.observation: Observation | None = None
+        self.cache_salt: str | None = None
         self.reasons: dict[int, str] = {}
         self.text = ""
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
-        stream = self.state.generate(self.prompt_ids, self.params, self.id, stream=self.body.stream)
+        stream = self.state.generate(self.prompt_ids, self.params, self.id, self.body.stream, self.cache_salt)
         obs = self.observation
         try:
             async with contextlib.aclosing(stream):

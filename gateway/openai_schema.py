@@ -45,6 +45,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
     user: str | None = None
     # vLLM extras
+    cache_salt: str | None = None  # mixed into the prefix-cache hashes with the tenant's key
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0

@@ -41,6 +41,7 @@ class ResponseCreate(msgspec.Struct, tag="response.create", tag_field="type"):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     previous_response_id: str | None = None
     stream_id: str | None = None
+    cache_salt: str | None = None  # vLLM's: mixed into the prefix-cache hashes with the tenant's key
 
 
 class ResponseSteer(msgspec.Struct, tag="response.steer", tag_field="type"):

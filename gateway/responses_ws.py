@@ -18,7 +18,7 @@ from typing import Any
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.observe import Observation
-from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id
+from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id, presented_key, tenant_salt
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cadenza.async_llm import EngineDeadError, RequestFailedError
@@ -209,6 +209,7 @@ class ResponsesSocket:
                 top_logprobs=create.top_logprobs,
                 previous_response_id=prepared.response_id,
                 stream_id=sid,
+                cache_salt=create.cache_salt,
             )
             self.state.admission.acquire()
             self.pending += 1
@@ -265,7 +266,9 @@ class ResponseRun:
     async def stream(self, item: p.Json) -> str:
         state = self.socket.state
         finish = "stop"
-        stream = state.generate(self.prepared.prompt_ids, self.prepared.params, self.prepared.response_id, stream=True)
+        salt = tenant_salt(presented_key(self.socket.ws.headers), self.job.create.cache_salt)
+        prepared = self.prepared
+        stream = state.generate(prepared.prompt_ids, prepared.params, prepared.response_id, True, salt)
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
                 out = delta.outputs[0]

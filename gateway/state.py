@@ -3,8 +3,9 @@ and the turning of a `response.create` into prompt token ids and sampling parame
 
 from __future__ import annotations
 
+import hashlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.tracing import Tracing
 
 from cadenza.outputs import RequestOutput
+from cadenza.request_limits import check_request
 from cadenza.sampling_params import SamplingParams
 
 
@@ -49,12 +51,31 @@ class GatewayState:
         self.speculative = getattr(getattr(engine, "config", None), "speculative_config", None) is not None
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, stream: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        stream: bool,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's deltas, paced when stream_pacing is set and the client reads a stream
-        (`pace` is passed only then, so engines without it, such as test doubles, still fit)."""
-        pace = {"pace": True} if stream and self.settings.stream_pacing else {}
-        return self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, **pace)
+        (`pace` and `cache_salt` are passed only when set, so engines without them, such as
+        test doubles, still fit)."""
+        extra: dict[str, Any] = {"pace": True} if stream and self.settings.stream_pacing else {}
+        if cache_salt is not None:
+            extra["cache_salt"] = cache_salt
+        return self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, **extra)
+
+    def check(self, params: SamplingParams, prompt_ids: list[int], param: str) -> None:
+        """The engine's own request checks (cadenza.request_limits), run here so a bad value is a
+        400 / `error` event before any work, with the message the engine would give."""
+        limits = getattr(self.engine, "request_limits", None)  # test doubles have none
+        if limits is None:
+            return
+        try:
+            check_request(params, prompt_ids, limits)
+        except ValueError as e:
+            raise RequestError(str(e), "invalid_request", param) from None
 
     def prepare(self, create: ResponseCreate, response_id: str | None = None) -> PreparedResponse:
         if create.model is not None and create.model != self.model_name:
@@ -74,6 +95,7 @@ class GatewayState:
         text = self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         params = self._params(create, len(prompt_ids))
+        self.check(params, prompt_ids, "input")
         return PreparedResponse(response_id or new_id("resp"), messages, prompt_ids, params)
 
     def _history(self, previous_response_id: str | None) -> list[Message]:
@@ -105,12 +127,40 @@ class GatewayState:
                 "context_length_exceeded",
                 "max_output_tokens",
             )
-        return SamplingParams(
-            max_tokens=create.max_output_tokens or min(self.settings.default_max_output_tokens, room),
-            temperature=1.0 if create.temperature is None else create.temperature,
-            top_p=1.0 if create.top_p is None else create.top_p,
-            logprobs=create.top_logprobs,
-        )
+        try:
+            params = SamplingParams(
+                max_tokens=create.max_output_tokens or min(self.settings.default_max_output_tokens, room),
+                temperature=1.0 if create.temperature is None else create.temperature,
+                top_p=1.0 if create.top_p is None else create.top_p,
+                logprobs=create.top_logprobs,
+            )
+        except ValueError as e:
+            raise RequestError(str(e), "invalid_request") from None
+        return params
+
+
+# Browsers cannot set headers on a websocket; they may offer the key as this subprotocol.
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a client sent: `Authorization: Bearer <key>`, else (websockets) the
+    `openai-insecure-api-key.<key>` subprotocol."""
+    auth = headers.get("authorization", "")
+    if auth.startswith("Bearer "):
+        return auth.removeprefix("Bearer ").strip()
+    offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
+    return next((p.removeprefix(KEY_SUBPROTOCOL) for p in offered if p.startswith(KEY_SUBPROTOCOL)), None)
+
+
+def tenant_salt(api_key: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its tenant (the API key it sent) and its own
+    `cache_salt`, hashed. Requests of different tenants never share KV blocks, so the cached
+    token count a client sees is made of its own tenant's prompts only (otherwise a client
+    could probe another's prompt block by block). No key and no salt: one shared cache."""
+    if not api_key and not cache_salt:
+        return None
+    return hashlib.sha256(f"{api_key or ''}\0{cache_salt or ''}".encode()).hexdigest()
 
 
 def new_id(prefix: str) -> str:
