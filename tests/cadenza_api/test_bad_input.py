@@ -108,3 +108,42 @@ def test_bad_engine_args(tiny_model) -> None:
         LLM(str(path), block_size=12)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(path), max_model_len=100000)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(top_k=9223372036854775808), "top_k is out of range"),
+        (dict(seed=2**64), "seed must be a 64-bit integer"),
+        (dict(temperature=float("nan")), "finite"),
+        (dict(presence_penalty=float("inf")), "finite"),
+        (dict(stop_token_ids=[2**70]), "stop_token_ids"),
+    ],
+)
+def test_numbers_past_64_bits_or_not_finite(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(top_k=161), "vocabulary size 160"),
+        (dict(logprobs=21), "max_logprobs"),
+        (dict(prompt_logprobs=10**6), "max_logprobs"),
+        (dict(stop_token_ids=[160]), r"stop_token_ids must be in \[0, 160\)"),
+        (dict(stop=["x"] * 17), "max_stop_strings"),
+        (dict(stop=["x" * 257]), "256 characters"),
+    ],
+)
+def test_values_past_the_model_are_refused_before_any_work(llm: LLM, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_temperature_below_1e_5_is_greedy(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": [3, 1, 4, 1, 5]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    tiny = llm.generate(prompt, SamplingParams(temperature=1e-7, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids

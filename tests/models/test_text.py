@@ -79,3 +79,14 @@ def test_multibyte_character_is_held_back(tokenizer: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], True)
     assert [detok.add([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.add(ids[-1:]) == "🎉"
+
+
+def test_a_character_split_between_prompt_and_output_is_kept(tokenizer: Tokenizer) -> None:
+    """The prompt's last token holds the first bytes of 🎉, the first output token the rest:
+    the character belongs to the output (it used to be lost)."""
+    ids = tokenizer.encode("Party 🎉 time")
+    split = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, ids[:split], True)
+    text = "".join(detok.add([i]) for i in ids[split:]) + detok.flush()
+    assert text.startswith("🎉") and text.endswith(" time")
+    assert tokenizer.decode(ids[:split]).rstrip("\ufffd") + text == "Party 🎉 time"
