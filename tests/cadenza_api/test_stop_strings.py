@@ -32,7 +32,8 @@ def _run(tokenizer: Tokenizer, text: str, params: SamplingParams, one_delta: boo
 def test_the_earliest_stop_string_wins_whatever_the_list_order(tokenizer: Tokenizer, one_delta: bool) -> None:
     seq = _run(tokenizer, "hello world and more", SamplingParams(stop=["world", "hello"]), one_delta)
     assert seq.finish_reason == "stop" and seq.stop_reason == "hello" and seq.text == ""
-    seq = _run(tokenizer, "say hello world", SamplingParams(stop=["world", "hello"], include_stop_str_in_output=True), one_delta)
+    keep = SamplingParams(stop=["world", "hello"], include_stop_str_in_output=True)
+    seq = _run(tokenizer, "say hello world", keep, one_delta)
     assert seq.stop_reason == "hello" and seq.text == "say hello"
 
 
