@@ -7,6 +7,12 @@ import argparse
 import json
 
 from cadenza.models.loader import DEFAULT_MODEL
+from cadenza.request_limits import (
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_STOP_STRING_CHARS,
+    DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,6 +23,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    # Request limits (cadenza.request_limits): past them a request is refused before any work.
+    p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
+    p.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
+    p.add_argument("--max-stop-string-chars", type=int, default=DEFAULT_MAX_STOP_STRING_CHARS)
+    p.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS)
+    p.add_argument("--request-timeout-s", type=float, default=None, help="end a request this long after arrival")
     p.add_argument(
         "--speculative-config",
         type=json.loads,
@@ -35,4 +48,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         speculative_config=args.speculative_config,
+        scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+        request_timeout_s=args.request_timeout_s,
     )
