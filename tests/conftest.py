@@ -101,9 +101,12 @@ def hf_smollm(smollm_path: Path) -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def ray_cluster() -> None:
     """One local Ray instance for the whole session (it takes ~15 s to start). Logical CPUs
-    exceed the 2 physical ones so TP x PP = 4 workers can be placed."""
+    exceed the 2 physical ones so TP x PP = 4 workers can be placed. Started as `cadenza serve`
+    starts its own: listening on loopback only."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="error")
+    from cadenza.async_llm import init_local_ray
+
+    init_local_ray(8, logging_level="error")
     yield
     ray.shutdown()
