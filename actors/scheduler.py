@@ -205,6 +205,11 @@ class Scheduler:
         preempted = False
         while (new_ids := self.kv.allocate(req, n)) is None:
             victim = self.running.pop()
+            if victim is req and not self.running:  # alone and still too big: it never fits
+                self.running.append(req)
+                message = f"the request outgrew the KV pool ({self.kv.pool.num_blocks} blocks) running alone"
+                self.failed += self.fail([req.request_id], message)
+                return None, preempted
             self._preempt(victim)
             preempted = True
             if victim is req:

@@ -172,3 +172,32 @@ def test_after_worker_loss_waiting_requests_run_and_nothing_cached_survives(llm:
     assert done["waiting"].finish_reason == "length" and done["waiting"].num_cached_tokens == 0
     fresh = LLM(llm.config.model, num_blocks=64, block_size=8, enable_prefix_caching=False)
     assert tokens == _tokens(fresh.generate({"prompt_token_ids": prefix + [42]}, GREEDY, use_tqdm=False))[0]
+
+
+def test_a_request_that_outgrows_the_pool_alone_fails_instead_of_preempting_itself_forever() -> None:
+    """Added to the scheduler directly (the engine's checks refuse it): prompt plus output need
+    more blocks than the pool has, so running alone it would preempt itself and come back
+    forever (found by the property tests)."""
+    from cadenza.actors.block_pool import BlockPool
+    from cadenza.actors.kv_cache_manager import KVCacheManager
+    from cadenza.actors.scheduler import Scheduler
+
+    from cadenza.messages import ModelRunnerOutput
+
+    scheduler = Scheduler(KVCacheManager(BlockPool(2), 4, False), 4, 2, 64)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    scheduler.add_request(
+        Request(EngineRequest(request_id="a", prompt_token_ids=[1] * 6, sampling_params=params), (0,), 1)
+    )
+    failed = []
+    for _ in range(200):
+        so = scheduler.schedule()
+        failed += scheduler.take_failed()
+        if not scheduler.has_unfinished():
+            break
+        req = scheduler.requests["a"]
+        n = so.num_scheduled_tokens.get("a", 0)
+        done = req.num_computed_tokens + n >= req.num_tokens
+        scheduler.update(so, ModelRunnerOutput(sampled={"a": [5]} if n and done else {}))
+    assert [f.request_id for f in failed] == ["a"] and "outgrew the KV pool" in failed[0].error
+    scheduler.check_invariants()
