@@ -13,10 +13,11 @@ cancelling the task aborts the request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -86,16 +87,45 @@ def init_local_ray(num_cpus: int, node_ip_address: str | None = None, **init_kwa
     interfaces, advertising that address (for other machines to join, use `ray start` instead).
     """
     from ray._common.network_utils import is_localhost
-    from ray._private import ray_constants
 
     options = {**local_ray_options(num_cpus, node_ip_address), **init_kwargs}
-    loopback = is_localhost(options["_node_ip_address"])
+    _init_keeping_node_ip(options, is_localhost(options["_node_ip_address"]))
+
+
+@contextlib.contextmanager
+def _loopback_kept(loopback: bool = True) -> Iterator[None]:
+    """ENABLE_RAY_CLUSTER off while Ray resolves addresses, so a loopback one stays loopback
+    (see init_local_ray); put back afterwards."""
+    from ray._private import ray_constants
+
     saved = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = saved and not loopback
     try:
-        ray.init(**options)
+        yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _init_keeping_node_ip(options: dict[str, Any], loopback: bool) -> None:
+    with _loopback_kept(loopback):
+        ray.init(**options)
+
+
+def join_ray(**init_kwargs: Any) -> None:
+    """Join the running cluster (RAY_ADDRESS, or one started on this machine). A cluster that
+    listens on loopback (one init_local_ray started) is joined as node 127.0.0.1: Ray would
+    otherwise rewrite its address, and the driver's, to the host's routable one, where nothing
+    listens, and wait until it times out. Raises ConnectionError when there is none."""
+    from ray._common.network_utils import is_localhost
+    from ray._private import services
+
+    with _loopback_kept():
+        address = services.canonicalize_bootstrap_address("auto") or "auto"
+    loopback = is_localhost(address.rsplit(":", 1)[0])
+    options: dict[str, Any] = {"address": address, **init_kwargs}
+    if loopback:
+        options["_node_ip_address"] = LOOPBACK
+    _init_keeping_node_ip(options, loopback)
 
 
 def ensure_ray(min_cpus: int) -> None:
@@ -105,7 +135,7 @@ def ensure_ray(min_cpus: int) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(address="auto", logging_level="warning")
+        join_ray(logging_level="warning")
     except ConnectionError:
         if os.environ.get("RAY_ADDRESS"):  # a cluster was asked for: not a private one instead
             raise

@@ -6,10 +6,12 @@ The same app is what `cadenza serve` runs on uvicorn and what Ray Serve will mou
 
 from __future__ import annotations
 
+import html
 from importlib.resources import files
 from typing import Any
 
 import msgspec
+from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
 from cadenza.gateway.responses_ws import ResponsesSocket
@@ -19,6 +21,7 @@ from cadenza.gateway.tracing import Tracing, provider_from_env
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -29,14 +32,24 @@ KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 
 def build_app(
-    engine: Any, model_name: str, settings: GatewaySettings, tracer_provider: TracerProvider | None = None
+    engine: Any,
+    model_name: str,
+    settings: GatewaySettings,
+    tracer_provider: TracerProvider | None = None,
+    check_host: bool = True,
 ) -> Starlette:
-    """tracer_provider: where request spans go (default: as the OTEL_* variables say, else off)."""
+    """tracer_provider: where request spans go (default: as the OTEL_* variables say, else off).
+    check_host: refuse a Host header that is not ours (off under Ray Serve unless allowed_hosts
+    is set: its proxy is reached by whatever name the cluster gives it)."""
     state = GatewayState(engine, model_name, settings, Tracing(tracer_provider or provider_from_env()))
     page = files("cadenza.gateway").joinpath("static/chat.html").read_text()
+    # The page is public (see http_guard.PUBLIC_PATHS): with a key set it names no model either;
+    # it learns the name from its first response. No Referer can carry a key from its address.
+    page = page.replace("{{MODEL}}", "" if settings.api_key else html.escape(model_name))
+    page_headers = {"Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY"}
 
     async def index(request: Request) -> Response:
-        return HTMLResponse(page.replace("{{MODEL}}", model_name))
+        return HTMLResponse(page, headers=page_headers)
 
     async def health(request: Request) -> Response:
         try:
@@ -54,7 +67,7 @@ def build_app(
         return Response(await state.metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 
     async def responses(ws: WebSocket) -> None:
-        await handle_socket(ws, state)
+        await handle_socket(ws, state, check_host)
 
     http = OpenAIHttp(state)
     routes = [
@@ -67,15 +80,15 @@ def build_app(
         Route("/metrics", metrics),
         WebSocketRoute("/v1/responses", responses),
     ]
-    app = Starlette(routes=routes)
+    guard = Middleware(HttpGuard, settings=settings, drain=state.drain, check_host=check_host)
+    app = Starlette(routes=routes, middleware=[guard])
     app.state.gateway = state
     return app
 
 
-async def handle_socket(ws: WebSocket, state: GatewayState) -> None:
-    settings = state.settings
+async def handle_socket(ws: WebSocket, state: GatewayState, check_host: bool = True) -> None:
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
-    problem = _handshake_problem(ws, settings, offered)
+    problem = _handshake_problem(ws, state, offered, check_host)
     client = ws.client.host if ws.client else "unknown"
     if problem is None and not state.admission.open_socket(client):
         problem = error_event(f"too many sockets from {client} (max_sockets_per_client)", "too_many_sockets", 429)
@@ -92,7 +105,13 @@ async def handle_socket(ws: WebSocket, state: GatewayState) -> None:
         state.admission.close_socket(client)
 
 
-def _handshake_problem(ws: WebSocket, settings: GatewaySettings, offered: list[str]) -> dict | None:
+def _handshake_problem(ws: WebSocket, state: GatewayState, offered: list[str], check_host: bool) -> dict | None:
+    settings = state.settings
+    if state.drain.draining:
+        return error_event("the server is shutting down; connect again shortly", "server_shutting_down", 503)
+    host = ws.headers.get("host")
+    if check_host and not settings.host_allowed(host):
+        return error_event(host_refusal(host), "host_not_allowed", 421)
     origin = ws.headers.get("origin")
     if not settings.origin_allowed(origin):
         return error_event(f"origin {origin!r} is not allowed", "origin_not_allowed", 403)

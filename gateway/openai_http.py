@@ -14,11 +14,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
-from cadenza.gateway.protocol import error_object
 from cadenza.gateway.state import GatewayState, RequestError, new_id, presented_key, tenant_salt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,23 +28,11 @@ from cadenza.outputs import RequestOutput
 Body = ChatCompletionRequest | CompletionRequest
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None, **headers: str) -> JSONResponse:
-    body = {"error": error_object(message, code, status, param)}
-    return JSONResponse(body, status_code=status, headers=headers or None)
-
-
-def authorized(request: Request, state: GatewayState) -> bool:
-    auth = request.headers.get("authorization", "")
-    return state.settings.key_accepts([auth.removeprefix("Bearer ").strip()] if auth.startswith("Bearer ") else [])
-
-
 class OpenAIHttp:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
 
     async def models(self, request: Request) -> Response:
-        if not authorized(request, self.state):
-            return error_response(401, "missing or wrong API key", "invalid_api_key")
         card = {"id": self.state.model_name, "object": "model", "created": 0, "owned_by": "cadenza"}
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -56,23 +43,23 @@ class OpenAIHttp:
         return await self._serve(request, CompletionRequest, chat=False)
 
     async def _serve(self, request: Request, kind: type[Body], chat: bool) -> Response:
-        if not authorized(request, self.state):
-            return error_response(401, "missing or wrong API key", "invalid_api_key")
-        try:
-            body = msgspec.json.decode(await request.body(), type=kind)
+        try:  # the API key, Host and Origin were checked by http_guard.HttpGuard
+            body = await read_json(request, kind, self.state.settings)
             prompt_ids, params = self._prepare(body, chat)
-        except msgspec.DecodeError as e:
-            return error_response(400, f"invalid request body: {e}", "invalid_request_body")
+        except BodyError as e:
+            return error_response(e.status, str(e), e.code)
         except RequestError as e:
             status = 404 if e.code == "model_not_found" else 400
             return error_response(status, str(e), e.code, e.param)
         except ValueError as e:
             return error_response(400, str(e), "invalid_request")
-        if not self.state.admission.try_acquire():
+        client = self.state.admission.client(presented_key(request.headers), request.client and request.client.host)
+        if not self.state.admission.try_acquire(client):
             retry = str(max(1, RETRY_AFTER_MS // 1000))
-            message = "the server is at capacity; retry shortly"
-            return error_response(429, message, "server_overloaded", **{"Retry-After": retry})
+            code, message = self.state.admission.refusal(client)
+            return error_response(429, message, code, **{"Retry-After": retry})
         run = _Run(self.state, body, chat, prompt_ids, params)
+        run.client = client
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
         run.observation = Observation(
             self.state.metrics, self.state.tracing, "chat" if chat else "text_completion", request.headers, params
@@ -143,6 +130,7 @@ class _Run:
         self.cached_tokens = 0
         self.observation: Observation | None = None
         self.cache_salt: str | None = None
+        self.client = ""  # whose admission place this run holds
         self.reasons: dict[int, str] = {}
         self.text = ""
 
@@ -167,7 +155,7 @@ class _Run:
             obs.fail(e)
             raise
         finally:
-            self.state.admission.release()
+            self.state.admission.release(self.client)
         reasons = [self.reasons[i] for i in sorted(self.reasons)]
         obs.finish(self.id, reasons, len(self.prompt_ids), self.text)
 

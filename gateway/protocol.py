@@ -15,6 +15,8 @@ import msgspec
 
 Json = dict[str, Any]
 EXTRA_KEY = "cadenza"  # namespaced extras on server events; OpenAI clients keep and ignore them
+# msgspec decodes any JSON integer into a Python int; the engine's messages carry int64.
+MAX_INT = 2**63 - 1
 
 
 class ContentPart(msgspec.Struct):
@@ -35,7 +37,7 @@ class ResponseCreate(msgspec.Struct, tag="response.create", tag_field="type"):
     model: str | None = None
     input: Input | None = None
     instructions: str | None = None
-    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
@@ -59,13 +61,23 @@ encode = msgspec.json.Encoder().encode
 
 
 def decode_client_event(frame: str | bytes) -> ClientEvent:
-    """Raises ValueError with a message that names the bad field."""
+    """Raises ValueError with a message that names the bad field. Check the frame's depth
+    first (json_depth.check_json_depth): msgspec recurses per nesting level."""
     try:
         return _decoder.decode(frame)
+    except RecursionError:  # a belt behind the depth check: this must never end the socket
+        raise ValueError("malformed event: nested too deeply") from None
     except msgspec.DecodeError as e:
         if "Invalid value" in str(e) and "$.type" in str(e):
             raise ValueError(f"unknown event type: {e}") from None
         raise ValueError(f"malformed event: {e}") from None
+
+
+def input_count(value: Input | None) -> int:
+    """Messages in a client input (a string is one), checked against max_messages."""
+    if value is None:
+        return 0
+    return 1 if isinstance(value, str) else len(value)
 
 
 def input_messages(value: Input | None) -> list[dict[str, str]]:

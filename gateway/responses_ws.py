@@ -4,12 +4,19 @@ A lane (`stream_id`) runs its responses one after another; lanes run at once. Ea
 response runs as its own task, so `response.cancel`, a steer or a closed socket stops it
 wherever it is (waiting for its first token included), which aborts the engine request
 and frees its KV blocks.
+
+Nothing a client sends may hold a place for good or end a lane: a job's admission place is
+given back once, by its task's done callback or when it is dropped from a queue; nothing is
+queued once the socket is closed; every failure ends its response with an event; a lane
+with no work left is retired; and a send that the client does not read within
+send_timeout_s ends the socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,11 +24,14 @@ from typing import Any
 
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.json_depth import check_json_depth
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id, presented_key, tenant_salt
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cadenza.async_llm import EngineDeadError, RequestFailedError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -30,57 +40,93 @@ class Job:
     response_id: str | None = None  # known once the response starts
     task: asyncio.Task[None] | None = None
     steer_input: list[dict[str, str]] | None = None  # set by response.steer
+    held: bool = True  # holds an admission place and a `pending` count until released (once)
+    finishing: bool = False  # past its stream: cancel and steer no longer interrupt its events
 
 
 @dataclass(eq=False)
 class Lane:
     stream_id: str | None
     jobs: deque[Job] = field(default_factory=deque)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    runner: asyncio.Task[None] | None = None
+    runner: asyncio.Task[None] | None = None  # lives while the lane has work, then retires it
 
 
 class ResponsesSocket:
     def __init__(self, ws: WebSocket, state: GatewayState) -> None:
         self.ws = ws
         self.state = state
+        self.client = state.admission.client(presented_key(ws.headers), ws.client and ws.client.host)
         self.lanes: dict[str | None, Lane] = {}
         self.active: dict[str, Job] = {}  # response id -> running job
         self.job_tasks: set[asyncio.Task[None]] = set()  # started jobs, from their first moment
         self.pending = 0  # responses admitted on this socket and not yet finished
         self.seq = 0
         self.send_lock = asyncio.Lock()
-        self.closed = False
+        self.closed = False  # nothing more is sent, and nothing new is queued
+        self.stalled = False  # a send timed out: the client stopped reading
+        self.serve_task: asyncio.Task[None] | None = None
 
     async def send(self, event: p.Json, stream_id: str | None = None) -> None:
         if self.closed:
             return
         async with self.send_lock:
+            if self.closed:  # closed while this send waited for the lock
+                return
             event = {**event, "sequence_number": self.seq}
             if stream_id is not None:
                 event["stream_id"] = stream_id
             self.seq += 1
             try:
-                await self.ws.send_text(p.encode(event).decode())
+                # uvicorn's send waits while the transport is over its high-water mark, which
+                # stays so for as long as the client does not read.
+                await asyncio.wait_for(self.ws.send_text(p.encode(event).decode()), self.state.settings.send_timeout_s)
+            except asyncio.TimeoutError:
+                self.stall()
             except (WebSocketDisconnect, RuntimeError, OSError):
                 self.closed = True
 
+    def stall(self) -> None:
+        """A client that stopped reading: end the socket, which cancels its responses and
+        frees their places (more sends would only queue behind the one that timed out)."""
+        log.warning("websocket client %s stopped reading for send_timeout_s; closing it", self.client)
+        self.closed = self.stalled = True
+        if self.serve_task is not None:
+            self.serve_task.cancel()
+
     async def serve(self) -> None:
+        self.serve_task = asyncio.current_task()
         try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                frame = message.get("text") if message.get("text") is not None else message.get("bytes")
-                await self.on_frame(frame or "")
+            await self.read_frames()
+        except asyncio.CancelledError:
+            if not self.stalled:  # only the stall's own cancel ends the socket quietly
+                raise
         finally:
             self.closed = True
             await self.stop_all()
 
-    async def on_frame(self, frame: str | bytes) -> None:
-        if len(frame) > self.state.settings.max_frame_bytes:
-            limit = self.state.settings.max_frame_bytes
-            await self.send(p.error_event(f"message of {len(frame)} bytes exceeds {limit}", "frame_too_large"))
+    async def read_frames(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("text") is None:  # never parsed: events are JSON text
+                error = "binary frames are not supported: send events as JSON text frames"
+                await self.send(p.error_event(error, "binary_frame_not_supported"))
+                continue
+            await self.on_frame(message["text"].encode())  # limits count UTF-8 bytes, not characters
+
+    async def on_frame(self, frame: bytes) -> None:
+        if self.closed:  # a stalled or draining socket takes no new work
+            return
+        limit = self.state.settings.max_frame_bytes
+        if len(frame) > limit:
+            message = f"message of {len(frame)} bytes exceeds {limit} (max_frame_bytes)"
+            await self.send(p.error_event(message, "frame_too_large"))
+            return
+        try:
+            check_json_depth(frame, self.state.settings.max_json_depth)
+        except ValueError as e:
+            await self.send(p.error_event(str(e), "json_too_deep"))
             return
         try:
             event = p.decode_client_event(frame)
@@ -96,60 +142,86 @@ class ResponsesSocket:
             await self.on_cancel(event)
 
     async def on_create(self, create: p.ResponseCreate) -> None:
-        settings = self.state.settings
-        if self.pending >= settings.max_responses_per_socket:
-            message = f"this socket already has {self.pending} responses in flight (max_responses_per_socket)"
-            await self.send(p.error_event(message, "too_many_responses", 429), create.stream_id)
-            return
-        if not self.state.admission.try_acquire():
-            await self.send(
-                p.error_event(
-                    "the server is at capacity; retry shortly",
-                    "server_overloaded",
-                    429,
-                    retry_after_ms=RETRY_AFTER_MS,
-                    headers={"retry-after-ms": str(RETRY_AFTER_MS)},
-                ),
-                create.stream_id,
-            )
+        """Admission happens here, before the job's task renders or tokenizes anything."""
+        refusal = self.refusal(create)
+        if refusal is None and not self.state.admission.try_acquire(self.client):
+            code, message = self.state.admission.refusal(self.client)
+            retry = {"retry_after_ms": RETRY_AFTER_MS, "headers": {"retry-after-ms": str(RETRY_AFTER_MS)}}
+            refusal = p.error_event(message, code, 429, **retry)
+        if refusal is not None:
+            await self.send(refusal, create.stream_id)
             return
         self.pending += 1
-        self.enqueue(Job(create), front=False)
+        self.enqueue(Job(create))
 
-    def enqueue(self, job: Job, front: bool) -> None:
-        lane = self.lanes.get(job.create.stream_id)
-        if lane is None:
-            lane = self.lanes[job.create.stream_id] = Lane(job.create.stream_id)
-            lane.runner = asyncio.get_running_loop().create_task(self.run_lane(lane))
+    def refusal(self, create: p.ResponseCreate) -> p.Json | None:
+        """The socket's own limits, each named in its message (cheap checks, before admission)."""
+        s, sid = self.state.settings, create.stream_id
+        if sid is not None and len(sid) > s.max_stream_id_chars:
+            message = f"stream_id is longer than {s.max_stream_id_chars} characters (max_stream_id_chars)"
+            return p.error_event(message, "stream_id_too_long", 400, "stream_id")
+        if p.input_count(create.input) > s.max_messages:
+            message = f"input has more than {s.max_messages} messages (max_messages)"
+            return p.error_event(message, "too_many_messages", 400, "input")
+        if self.pending >= s.max_responses_per_socket:
+            message = f"this socket already has {self.pending} responses in flight (max_responses_per_socket)"
+            return p.error_event(message, "too_many_responses", 429)
+        if sid not in self.lanes and len(self.lanes) >= s.max_lanes_per_socket:
+            message = f"this socket already has {len(self.lanes)} busy lanes (max_lanes_per_socket)"
+            return p.error_event(message, "too_many_lanes", 429, "stream_id")
+        return None
+
+    def enqueue(self, job: Job, front: bool = False) -> None:
+        if self.closed:  # stop_all has run or is running: nothing may wait behind it
+            self.release(job)
+            return
+        lane = self.lanes.get(job.create.stream_id) or self.open_lane(job.create.stream_id)
         (lane.jobs.appendleft if front else lane.jobs.append)(job)
-        lane.wake.set()
+
+    def open_lane(self, stream_id: str | None) -> Lane:
+        lane = self.lanes[stream_id] = Lane(stream_id)
+        lane.runner = asyncio.get_running_loop().create_task(self.run_lane(lane))
+        lane.runner.add_done_callback(lambda _: self.retire(lane))  # also when cancelled before it ran
+        return lane
 
     async def run_lane(self, lane: Lane) -> None:
-        while True:
-            while not lane.jobs:
-                lane.wake.clear()
-                await lane.wake.wait()
-            job = lane.jobs.popleft()
-            job.task = asyncio.get_running_loop().create_task(self.run_job(job))
-            self.job_tasks.add(job.task)
-            try:
-                await asyncio.shield(job.task)  # a cancelled response must not end its lane
-            finally:
-                self.job_tasks.discard(job.task)
-                self.pending -= 1
-                self.state.admission.release()
+        """Runs the lane's jobs in order, and retires the lane the moment it has none left (in
+        the same step, so a create for this stream_id either joins it or opens a new one)."""
+        try:
+            while lane.jobs:
+                job = lane.jobs.popleft()
+                job.task = asyncio.get_running_loop().create_task(self.run_job(job))
+                self.job_tasks.add(job.task)
+                job.task.add_done_callback(lambda task, job=job: self.job_done(job, task))
+                await asyncio.wait((job.task,))  # unlike awaiting it, a cancelled job does not end the lane
+        finally:
+            self.retire(lane)
+
+    def job_done(self, job: Job, task: asyncio.Task[None]) -> None:
+        """Runs however the task ended, even if it was cancelled before its first step."""
+        self.job_tasks.discard(task)
+        self.release(job)
+        if not task.cancelled() and task.exception() is not None:  # run_job catches; this is a bug
+            log.error("a response task failed", exc_info=task.exception())
+
+    def retire(self, lane: Lane) -> None:
+        if self.lanes.get(lane.stream_id) is lane:
+            del self.lanes[lane.stream_id]
+        while lane.jobs:  # queued behind a cancelled runner: they will never run
+            self.release(lane.jobs.popleft())
+
+    def release(self, job: Job) -> None:
+        if job.held:
+            job.held = False
+            self.pending -= 1
+            self.state.admission.release(self.client)
 
     async def on_steer(self, steer: p.ResponseSteer) -> None:
         job = self.active.get(steer.previous_response_id)
         info = {"previous_response_id": steer.previous_response_id}
-        try:
-            messages = p.input_messages(steer.input)
-        except ValueError as e:
-            messages, error = [], ("invalid_input", str(e))
-        else:
-            error = None if job is not None else ("response_not_active", "that response is not running here")
-        if error or not messages:
-            code, message = error or ("invalid_input", "steer input is empty")
+        messages, error = self.steer_messages(steer, job)
+        if error is not None or job is None:
+            code, message = error or ("response_not_active", "that response is not running here")
             await self.send(
                 {
                     "type": "response.steer.failed",
@@ -158,10 +230,21 @@ class ResponsesSocket:
                 }
             )
             return
-        job.steer_input = (job.steer_input or []) + messages
+        job.steer_input = (job.steer_input or []) + messages  # set before any await: run_job reads it
         await self.send({"type": "response.steer.accepted", "steer": {"id": new_id("steer"), **info}})
-        if job.task is not None:
+        if job.task is not None and not job.finishing:  # a finishing one completes; its successor follows
             job.task.cancel()
+
+    def steer_messages(self, steer: p.ResponseSteer, job: Job | None) -> tuple[list[dict[str, str]], Any]:
+        """The steer's input as messages, or ([], (code, message)) saying why it cannot be used."""
+        limit, held = self.state.settings.max_messages, len(job.steer_input or []) if job else 0
+        if p.input_count(steer.input) + held > limit:
+            return [], ("too_many_messages", f"steer input has more than {limit} messages (max_messages)")
+        try:
+            messages = p.input_messages(steer.input)
+        except ValueError as e:
+            return [], ("invalid_input", str(e))
+        return messages, (None if messages else ("invalid_input", "steer input is empty"))
 
     async def on_cancel(self, cancel: p.ResponseCancel) -> None:
         job = self.active.get(cancel.response_id)
@@ -169,51 +252,72 @@ class ResponsesSocket:
             message = f"response {cancel.response_id!r} is not running on this socket"
             await self.send(p.error_event(message, "response_not_found", 404, "response_id"))
             return
-        job.task.cancel()
+        if not job.finishing:  # past its stream, cancelling would only cut off its terminal event
+            job.task.cancel()
 
     async def stop_all(self) -> None:
-        for lane in self.lanes.values():  # queued, never started: give their places back
-            for _ in lane.jobs:
-                self.pending -= 1
-                self.state.admission.release()
-            lane.jobs.clear()
+        """Ends every response; `closed` is set first, so nothing can be queued while this waits
+        (a steered response's successor included) and every place comes back."""
+        self.closed = True
         tasks = [lane.runner for lane in self.lanes.values() if lane.runner]
         tasks += list(self.job_tasks)  # including jobs created but not yet started
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        if tasks:
+            await asyncio.wait(tasks)
+        for lane in list(self.lanes.values()):  # lanes whose runner was cancelled before it ran
+            self.retire(lane)
 
     async def run_job(self, job: Job) -> None:
+        """One response. Whatever fails ends it with an event (`error` before response.created,
+        `response.failed` after) and the lane goes on; the place is released by job_done."""
         create, sid = job.create, job.create.stream_id
         try:
-            prepared = self.state.prepare(create)
-        except RequestError as e:
-            await self.send(p.error_event(str(e), e.code, 400, e.param), sid)
+            prepared = await self.state.prepare(create)
+            run = ResponseRun(self, job, prepared)
+        except Exception as e:
+            await self.send(_prepare_error(e), sid)
             return
         job.response_id = prepared.response_id
         self.active[prepared.response_id] = job
         try:
-            await ResponseRun(self, job, prepared).run()
+            await run.run()
         finally:
             self.active.pop(prepared.response_id, None)
-        if job.steer_input is not None:  # the successor continues from the steered response
-            successor = p.ResponseCreate(
-                model=create.model,
-                input=[p.InputMessage(role=m["role"], content=m["content"]) for m in job.steer_input],
-                instructions=create.instructions,
-                max_output_tokens=create.max_output_tokens,
-                temperature=create.temperature,
-                top_p=create.top_p,
-                top_logprobs=create.top_logprobs,
-                previous_response_id=prepared.response_id,
-                stream_id=sid,
-                cache_salt=create.cache_salt,
-            )
-            self.state.admission.acquire()
-            self.pending += 1
-            self.enqueue(Job(successor), front=True)
+        if job.steer_input is not None and not self.closed:  # closed: stop_all ran or is running
+            self.continue_steered(job, prepared)
+
+    def continue_steered(self, job: Job, prepared: PreparedResponse) -> None:
+        """The successor continues from the steered response at the front of its lane, taking a
+        place unconditionally (its parent's is released a moment later, when its task ends)."""
+        create, sid = job.create, job.create.stream_id
+        successor = p.ResponseCreate(
+            model=create.model,
+            input=[p.InputMessage(role=m["role"], content=m["content"]) for m in job.steer_input],
+            instructions=create.instructions,
+            max_output_tokens=create.max_output_tokens,
+            temperature=create.temperature,
+            top_p=create.top_p,
+            top_logprobs=create.top_logprobs,
+            previous_response_id=prepared.response_id,
+            stream_id=sid,
+            cache_salt=create.cache_salt,
+        )
+        self.state.admission.acquire(self.client)
+        self.pending += 1
+        self.enqueue(Job(successor), front=True)
+
+
+def _prepare_error(e: Exception) -> p.Json:
+    """The `error` event for a response that failed before it started. A ValueError from the
+    chat template or the tokenizer (a template's raise_exception on roles that do not
+    alternate) is about the client's input; anything else is ours, logged, not shown."""
+    if isinstance(e, RequestError):
+        return p.error_event(str(e), e.code, 400, e.param)
+    if isinstance(e, ValueError):
+        return p.error_event(str(e), "invalid_input", 400, "input")
+    log.error("preparing a response failed", exc_info=e)
+    return p.error_event("the server failed to prepare this response", "server_error", 500)
 
 
 class ResponseRun:
@@ -240,28 +344,29 @@ class ResponseRun:
         await self.socket.send(event, self.sid)
 
     async def run(self) -> None:
-        await self.emit({"type": "response.created", "response": self.response("in_progress", [])})
-        await self.emit({"type": "response.in_progress", "response": self.response("in_progress", [])})
         item = {"output_index": 0, "item_id": self.item_id, "content_index": 0}
-        await self.emit(
-            {
-                "type": "response.output_item.added",
-                "output_index": 0,
-                "item": p.message_item(self.item_id, "", "in_progress"),
-            }
-        )
-        await self.emit({"type": "response.content_part.added", **item, "part": p.text_part("")})
         try:
-            finish = await self.stream(item)
-        except asyncio.CancelledError:
-            finish = "steered" if self.job.steer_input is not None else "cancelled"
-        except (RequestFailedError, EngineDeadError, ValueError) as e:
+            finish = await self.open_and_stream(item)
+            self.job.finishing = True
+            prompt_tokens = len(self.prepared.prompt_ids)
+            self.observation.finish(self.prepared.response_id, [finish], prompt_tokens, self.text)
+            await self.finish(finish, item)
+        except Exception as e:  # the engine, a double, our own code: it ends this response only
             self.observation.fail(e)
-            await self.fail(str(e))
-            return
-        prompt_tokens = len(self.prepared.prompt_ids)
-        self.observation.finish(self.prepared.response_id, [finish], prompt_tokens, self.text)
-        await self.finish(finish, item)
+            await self.fail(e)
+
+    async def open_and_stream(self, item: p.Json) -> str:
+        """From response.created to the last delta: a cancel or steer anywhere in here (before the
+        first token included) ends the response with its terminal event."""
+        try:
+            await self.emit({"type": "response.created", "response": self.response("in_progress", [])})
+            await self.emit({"type": "response.in_progress", "response": self.response("in_progress", [])})
+            added = p.message_item(self.item_id, "", "in_progress")
+            await self.emit({"type": "response.output_item.added", "output_index": 0, "item": added})
+            await self.emit({"type": "response.content_part.added", **item, "part": p.text_part("")})
+            return await self.stream(item)
+        except asyncio.CancelledError:
+            return "steered" if self.job.steer_input is not None else "cancelled"
 
     async def stream(self, item: p.Json) -> str:
         state = self.socket.state
@@ -315,7 +420,13 @@ class ResponseRun:
         kind = "response.completed" if complete else "response.incomplete"
         await self.emit({"type": kind, "response": self.response(status, [message], **fields)})
 
-    async def fail(self, message: str) -> None:
+    async def fail(self, e: Exception) -> None:
+        """The engine's own failures are shown as they are; anything else is logged, not shown."""
+        if isinstance(e, (RequestFailedError, EngineDeadError, ValueError)):
+            message = str(e)
+        else:
+            log.error("response %s failed", self.prepared.response_id, exc_info=e)
+            message = "the server failed while producing this response"
         error = {"code": "server_error", "message": message}
         await self.emit({"type": "response.failed", "response": self.response("failed", [], error=error)})
 

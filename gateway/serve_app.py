@@ -8,12 +8,19 @@ the session router sends the conversation to; one replica = one gateway + one en
 keeps them together, and there is no extra hop per token. Serve's health check calls the
 engine, so a dead engine gets its replica replaced.
 
+API key: `gateway.api_key` in the config, or, when that is absent (or null), the environment
+variable CADENZA_API_KEY of the replica's process (deploy/kuberay-rayservice.yaml sets it from
+a Kubernetes Secret on every Ray container). Read in the replica, not in build_app, so the key
+is not pickled into the deployment's arguments, which the Serve controller keeps in the GCS.
+Set but blank, it is an error (the replica fails to start) rather than serving without a key.
+
     serve run deploy/serve_config.yaml      # or: serve.run(build_app({...}))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from cadenza.gateway.app import build_app as build_gateway
@@ -26,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cadenza.async_llm import AsyncLLM
 
 REPLICA_HEADER = "x-cadenza-replica"
+API_KEY_ENV = "CADENZA_API_KEY"
 SESSION_ROUTER = RequestRouterConfig(request_router_class="cadenza.gateway.serve_router:SessionAffinityRouter")
 
 
@@ -37,11 +45,15 @@ class CadenzaDeployment:
     ) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.model_name = served_model_name or model
-        self.settings = GatewaySettings(**gateway)
+        self.settings = GatewaySettings(**gateway_with_env_key(gateway))
         self.engine = AsyncLLM(model, **engine)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        return _ReplicaHeader(build_gateway(self.engine, self.model_name, self.settings), self.replica_id)
+        # The Host check is on only where gateway.allowed_hosts names the hosts: clients reach
+        # Serve's proxy by whatever name the cluster (Service, Ingress) gives it, unknown here.
+        check_host = bool(self.settings.allowed_hosts)
+        app = build_gateway(self.engine, self.model_name, self.settings, check_host=check_host)
+        return _ReplicaHeader(app, self.replica_id)
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising gets the replica replaced."""
@@ -51,6 +63,13 @@ class CadenzaDeployment:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def gateway_with_env_key(gateway: dict[str, Any]) -> dict[str, Any]:
+    """The gateway settings with api_key from $CADENZA_API_KEY when the config gives none."""
+    if gateway.get("api_key") is None and (key := os.environ.get(API_KEY_ENV)) is not None:
+        return {**gateway, "api_key": key}
+    return gateway
 
 
 class _ReplicaHeader:

@@ -1,18 +1,26 @@
 """`cadenza serve`: an AsyncLLM engine behind the gateway app, on uvicorn with uvloop and the
-`websockets` protocol implementation."""
+`websockets` protocol implementation; SIGTERM (or Ctrl-C) drains it, then it exits 0."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import signal
+import socket
+from types import FrameType
 
+import uvicorn
 from cadenza.gateway.app import build_app
+from cadenza.gateway.header_timeout import head_deadline_protocol
 from cadenza.gateway.settings import GatewaySettings
+from cadenza.gateway.state import GatewayState
+from starlette.applications import Starlette
 
 from cadenza.engine_args import engine_kwargs
 
 log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 5
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +33,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         if f.name == "allowed_origins":
-            p.add_argument(flag, nargs="*", default=[], help="Origins allowed on websockets (default: our own)")
+            p.add_argument(flag, nargs="*", default=[], help="Origins allowed (default: our own)")
+        elif f.name == "allowed_hosts":  # type=tuple would split one name into its letters
+            p.add_argument(flag, nargs="*", default=[], help="Host names served (default: loopback + --host)")
         elif f.name == "api_key":
             p.add_argument(flag, default=None, help="require `Authorization: Bearer <key>`")
         elif isinstance(default, bool):  # type=bool would read "--flag False" as True
@@ -37,15 +47,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GatewaySettings)}
     values["allowed_origins"] = tuple(values["allowed_origins"])
+    values["allowed_hosts"] = tuple(values["allowed_hosts"])
     return GatewaySettings(**values)
 
 
 def run_server(args: argparse.Namespace) -> None:
-    import uvicorn
+    settings = settings_from_args(args)  # first: a bad flag is one line, before any engine loads
 
     from cadenza.async_llm import AsyncLLM
 
-    settings = settings_from_args(args)
     engine = AsyncLLM(
         args.model,
         **engine_kwargs(args),
@@ -56,15 +66,56 @@ def run_server(args: argparse.Namespace) -> None:
     app = build_app(engine, args.served_model_name or args.model, settings)
     print(f"cadenza: serving {args.model} on http://{settings.host}:{settings.port}/", flush=True)
     try:
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            loop="uvloop",
-            ws="websockets-sansio",
-            # Frames up to 4x the limit reach the app, which answers with an `error` event.
-            ws_max_size=4 * settings.max_frame_bytes,
-            log_level="warning",
-        )
+        serve(app, settings)
     finally:
         engine.shutdown()
+
+
+def uvicorn_config(app: Starlette, settings: GatewaySettings) -> uvicorn.Config:
+    """The one uvicorn configuration, shared by `cadenza serve` and the tests."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http=head_deadline_protocol(settings.header_timeout_s),
+        ws="websockets-sansio",
+        # Frames up to 4x the limit reach the app, which answers with an `error` event.
+        ws_max_size=4 * settings.max_frame_bytes,
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=settings.idle_timeout_s,
+        # After the drain: a connection still open this long is cut rather than waited for.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        log_level="warning",
+    )
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn that drains the gateway (drain.Drain.run) before it closes any connection.
+    The listener stays open meanwhile, so a client that still arrives hears 503 and why,
+    rather than a refused connection."""
+
+    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.state.drain.run(self.state.settings.drain_timeout_s)
+        await super().shutdown(sockets)
+
+
+def serve(app: Starlette, settings: GatewaySettings) -> None:
+    """Runs the app until SIGTERM or Ctrl-C, then drains it and returns."""
+    # uvicorn re-raises the signal it stopped on once it is done, to whatever handler was
+    # there before; with the default one SIGTERM would end the process with 143, after a drain
+    # that has already handled it. (Installed only now: Ctrl-C while the engine loads still stops it.)
+    previous = {sig: signal.signal(sig, _handled) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        GatewayServer(uvicorn_config(app, settings), app.state.gateway).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _handled(signum: int, frame: FrameType | None) -> None:
+    log.info("signal %d: the server has drained and stopped", signum)

@@ -31,8 +31,8 @@ class GatewaySettings:
     max_sockets_per_client: open websockets per client (the API key when one is sent, else
         the address).
     max_responses_per_client: responses in flight per client (same key), HTTP and websocket
-        together; kept below max_concurrent_requests + max_queued_requests so one client
-        cannot take the whole server.
+        together; capped at one below max_concurrent_requests + max_queued_requests, so one
+        client cannot take the whole server.
     allowed_hosts: `Host` header values accepted (HTTP and websocket, port optional); empty
         means the loopback names and the bound address (a DNS-rebinding guard).
     send_timeout_s: a send to a client that cannot complete in this time cancels that
@@ -104,17 +104,19 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
-        capacity = self.max_concurrent_requests + self.max_queued_requests
-        if self.max_responses_per_client >= capacity and capacity > 1:
-            raise ValueError(
-                f"max_responses_per_client ({self.max_responses_per_client}) must stay below the server's "
-                f"capacity, max_concurrent_requests + max_queued_requests ({capacity})"
-            )
+
 
     @property
     def own_origins(self) -> tuple[str, ...]:
         hosts = {self.host, "localhost", "127.0.0.1"} if self.host in ("127.0.0.1", "localhost") else {self.host}
         return tuple(f"http://{h}:{self.port}" for h in sorted(hosts))
+
+    @property
+    def client_response_quota(self) -> int:
+        """max_responses_per_client, kept below the server's capacity (concurrent + queued) so
+        one client can never take every place, whatever the two settings say."""
+        capacity = self.max_concurrent_requests + self.max_queued_requests
+        return max(min(self.max_responses_per_client, capacity - 1), 1)
 
     @property
     def own_hosts(self) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ and the turning of a `response.create` into prompt token ids and sampling parame
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cadenza.gateway.admission import Admission
+from cadenza.gateway.drain import Drain
 from cadenza.gateway.metrics import Metrics
 from cadenza.gateway.protocol import ResponseCreate, input_messages
 from cadenza.gateway.response_store import Message, ResponseStore
@@ -43,6 +45,7 @@ class GatewayState:
         self.model_name = model_name
         self.settings = settings
         self.admission = Admission(settings)
+        self.drain = Drain(self.admission)  # shutdown: refuse new work, end what outlives the drain
         self.store = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
         self.tokenizer = engine.get_tokenizer()
         self.metrics = Metrics(model_name)
@@ -64,7 +67,8 @@ class GatewayState:
         extra: dict[str, Any] = {"pace": True} if stream and self.settings.stream_pacing else {}
         if cache_salt is not None:
             extra["cache_salt"] = cache_salt
-        return self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, **extra)
+        stream = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, **extra)
+        return self.drain.track(stream)
 
     def check(self, params: SamplingParams, prompt_ids: list[int], param: str) -> None:
         """The engine's own request checks (cadenza.request_limits), run here so a bad value is a
@@ -77,7 +81,10 @@ class GatewayState:
         except ValueError as e:
             raise RequestError(str(e), "invalid_request", param) from None
 
-    def prepare(self, create: ResponseCreate, response_id: str | None = None) -> PreparedResponse:
+    async def prepare(self, create: ResponseCreate, response_id: str | None = None) -> PreparedResponse:
+        """Runs after admission. The chat template and the tokenizer run in a worker thread: a
+        long conversation takes them many milliseconds, which on the loop would stall every
+        socket. The store and the checks stay on the loop (the store is not thread-safe)."""
         if create.model is not None and create.model != self.model_name:
             raise RequestError(
                 f"model {create.model!r} is not served here; this server serves {self.model_name!r}",
@@ -92,11 +99,16 @@ class GatewayState:
             raise RequestError("input is required and must not be empty", "missing_input", "input")
         messages = self._history(create.previous_response_id) + new
         system = [{"role": "system", "content": create.instructions}] if create.instructions else []
-        text = self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = await asyncio.to_thread(self._render, system + messages)
         params = self._params(create, len(prompt_ids))
         self.check(params, prompt_ids, "input")
         return PreparedResponse(response_id or new_id("resp"), messages, prompt_ids, params)
+
+    def _render(self, messages: list[Message]) -> list[int]:
+        """Prompt token ids of the conversation (thread-safe: the compiled template and the
+        tokenizer hold no per-call state)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _history(self, previous_response_id: str | None) -> list[Message]:
         if previous_response_id is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from cadenza.gateway.server import uvicorn_config
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
 
 from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -47,7 +49,8 @@ class Server:
         return f"ws://127.0.0.1:{self.port}/v1/responses"
 
     def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.http + path, timeout=30) as r:
+        request = urllib.request.Request(self.http + path, headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(request, timeout=30) as r:
             return json.loads(r.read())
 
     def engine_stats(self) -> dict:
@@ -62,8 +65,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_in_thread(app: Any, port: int) -> Iterator[None]:
-    """An ASGI app on uvicorn in a thread of this process (for tests that need its insides)."""
-    config = uvicorn.Config(app, port=port, ws="websockets-sansio", log_level="warning")
+    """A gateway app on uvicorn in a thread of this process (for tests that need its insides),
+    configured as `cadenza serve` configures it (no signals: not the main thread)."""
+    config = uvicorn_config(app, dataclasses.replace(app.state.gateway.settings, port=port))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

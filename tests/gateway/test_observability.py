@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def _scrape(server) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(server.http + "/metrics", timeout=30) as r:
+    request = urllib.request.Request(server.http + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
         text = r.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value

@@ -91,7 +91,8 @@ def test_http_usage_counts_accepted_and_rejected_predictions(server, expected: s
 def test_metrics_export_spec_decode_counters(server) -> None:
     client = openai.OpenAI(base_url=server.http + "/v1", api_key=API_KEY)
     client.completions.create(model=DEFAULT_MODEL, prompt=f"{SENTENCE} {SENTENCE}", temperature=0, max_tokens=8)
-    with urllib.request.urlopen(server.http + "/metrics", timeout=30) as r:
+    request = urllib.request.Request(server.http + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     value = lambda name: families[name].samples[0].value  # noqa: E731
     drafts, draft_tokens = value("cadenza:spec_decode_num_drafts"), value("cadenza:spec_decode_num_draft_tokens")

@@ -170,7 +170,7 @@ def test_http_over_capacity_is_429_with_retry_after_and_disconnect_aborts(paced)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True})
         writer.write(
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
         )
         await writer.drain()

@@ -1,0 +1,86 @@
+"""uvicorn's HTTP protocol with a deadline on the request head.
+
+uvicorn closes a keep-alive connection that sends nothing for timeout_keep_alive, but it
+has no limit on a head that trickles in: a client sending one header byte a second (or
+opening a connection and sending nothing) holds its connection, and one of the
+limit_concurrency places, forever. Here a timer is armed whenever the connection is ready for
+a request head (opened, or a response done with nothing pipelined) and disarmed once the
+head is parsed; when it fires, the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is optional (uvicorn[standard]); h11 is always there
+    HttpToolsProtocol = None
+
+
+class _HeadDeadline:
+    """Mixin over a uvicorn HTTP protocol (which provides loop, transport, connection_made...)."""
+
+    head_timeout_s = 10.0
+    head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self.arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.disarm_head_timer()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        # Armed before uvicorn's own handler, which may already parse a buffered next head
+        # (and so disarm it again).
+        if self.awaits_head() and not self.transport.is_closing():
+            self.arm_head_timer()
+        super().on_response_complete()
+
+    def awaits_head(self) -> bool:
+        return True
+
+    def arm_head_timer(self) -> None:
+        self.disarm_head_timer()
+        self.head_timer = self.loop.call_later(self.head_timeout_s, self.head_timed_out)
+
+    def disarm_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def head_timed_out(self) -> None:
+        self.head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+class H11HeadDeadline(_HeadDeadline, H11Protocol):
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # past IDLE: the head has been parsed
+            self.disarm_head_timer()
+
+
+if HttpToolsProtocol is not None:
+
+    class HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
+        def on_headers_complete(self) -> None:
+            self.disarm_head_timer()
+            super().on_headers_complete()
+
+        def awaits_head(self) -> bool:
+            return not self.pipeline  # a pipelined head is parsed already
+
+
+def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """httptools' protocol when it is installed (uvicorn's own choice), else h11's, closing
+    connections whose request head takes longer than timeout_s."""
+    base: Any = HttpToolsHeadDeadline if HttpToolsProtocol is not None else H11HeadDeadline
+    return type(base.__name__, (base,), {"head_timeout_s": timeout_s})

@@ -1,0 +1,140 @@
+"""What every HTTP request passes before a route sees it, and the reading of JSON bodies.
+
+`HttpGuard` is pure ASGI (BaseHTTPMiddleware would buffer and re-wrap streamed responses)
+and refuses, in this order:
+- while the server drains (503): clients retry elsewhere rather than start work that
+  would be cut off;
+- a foreign `Host` (421): a DNS-rebinding page reaches us under its own name, so only our
+  names (settings.allowed_hosts, else the loopback names and the bound address) are served;
+- a foreign `Origin` (403): a cross-site page's request carries its origin; the allow-list
+  is the websocket's (settings.allowed_origins, else our own origin);
+- a missing or wrong API key (401) on everything but PUBLIC_PATHS.
+Websocket handshakes make the same checks in `app.handle_socket`, answered with an `error`
+event, since a bare HTTP refusal of a handshake carries no message a client can show.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from cadenza.gateway.drain import Drain
+from cadenza.gateway.json_depth import check_json_depth
+from cadenza.gateway.protocol import error_object
+from cadenza.gateway.settings import GatewaySettings
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+# The chat page holds no data (with a key set it is served without even the model name): a
+# browser's first load cannot send a header, so the page takes the key from its address and
+# sends it on the websocket itself. /health is for load balancers and orchestrators.
+PUBLIC_PATHS = frozenset({"/", "/health"})
+# A JSON number without fraction or exponent, 19 digits or more: the only ones that can fall
+# outside 64 bits. msgspec decodes any size into a Python int, which then fails deep in the
+# engine (OverflowError packing a message, a 500) instead of here.
+_LONG_INTEGER = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # int64 and uint64 (a seed may be either)
+
+
+class BodyError(Exception):
+    """A request body refused before decoding, with its HTTP status and error code."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_body") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def error_response(status: int, message: str, code: str, param: str | None = None, **headers: str) -> JSONResponse:
+    body = {"error": error_object(message, code, status, param)}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+def bearer_key(headers: Headers) -> list[str]:
+    auth = headers.get("authorization", "")
+    return [auth.removeprefix("Bearer ").strip()] if auth.startswith("Bearer ") else []
+
+
+def host_refusal(host: str) -> str:
+    name = host if host.endswith("]") else host.rsplit(":", 1)[0]  # the port off ("[::1]" has colons)
+    return f"host {host!r} is not served here; start the server with --allowed-hosts {name} to serve it"
+
+
+class HttpGuard:
+    """check_host: off under Ray Serve unless allowed_hosts is set (see serve_app)."""
+
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, drain: Drain, check_host: bool = True) -> None:
+        self.app, self.settings, self.drain, self.check_host = app, settings, drain, check_host
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # The path under the mount point (Ray Serve's route_prefix is the root_path), as routed.
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        await (self.refusal(Headers(scope=scope), path) or self.app)(scope, receive, send)
+
+    def refusal(self, headers: Headers, path: str) -> JSONResponse | None:
+        settings = self.settings
+        if self.drain.draining:
+            message = "the server is shutting down; retry on another replica or once it is back"
+            return error_response(503, message, "server_shutting_down", Connection="close")
+        host = headers.get("host")
+        if self.check_host and not settings.host_allowed(host):
+            return error_response(421, host_refusal(host), "host_not_allowed")
+        origin = headers.get("origin")
+        if not settings.origin_allowed(origin):
+            message = f"origin {origin!r} is not allowed; start the server with --allowed-origins {origin} to allow it"
+            return error_response(403, message, "origin_not_allowed")
+        if path not in PUBLIC_PATHS and not settings.key_accepts(bearer_key(headers)):
+            return error_response(401, "missing or wrong API key", "invalid_api_key")
+        return None
+
+
+async def read_json(request: Request, kind: type, settings: GatewaySettings) -> object:
+    """The body decoded as `kind`, or BodyError: 415 unless Content-Type is JSON (a web page
+    can POST text/plain cross-site without a preflight), 413 past max_request_bytes, 400 for
+    nesting past max_json_depth, integers past 64 bits and anything msgspec refuses."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        message = f"Content-Type must be application/json, got {media or 'none'!r}"
+        raise BodyError(message, 415, "unsupported_media_type")
+    raw = await read_body(request, settings.max_request_bytes)
+    try:
+        check_json_depth(raw, settings.max_json_depth)
+        check_integers(raw)
+        return msgspec.json.decode(raw, type=kind)
+    except (ValueError, RecursionError) as e:  # DecodeError is a ValueError; RecursionError a belt
+        raise BodyError(f"invalid request body: {e}") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Counted while it arrives (a chunked body has no Content-Length to trust), so no more
+    than limit + one chunk is ever held."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_integers(raw: bytes) -> None:
+    """Raises ValueError for an integer outside int64/uint64 (brackets and digits inside
+    strings are text and are skipped)."""
+    for match in _LONG_INTEGER.finditer(_STRING.sub(b'""', raw)):
+        digits = match.group()
+        # int() of a 5000-digit string is itself refused by Python: length decides first.
+        if len(digits.lstrip(b"-")) > 20 or not _INT_RANGE[0] <= int(digits) <= _INT_RANGE[1]:
+            shown = digits[:24].decode() + ("..." if len(digits) > 24 else "")
+            raise ValueError(f"the integer {shown} does not fit in 64 bits")
+
+
+def _too_large(limit: int) -> BodyError:
+    return BodyError(f"the request body exceeds {limit} bytes (max_request_bytes)", 413, "request_too_large")
