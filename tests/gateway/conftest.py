@@ -112,34 +112,47 @@ class PacedEngine:
         return {"running": self.running}
 
 
-@pytest.fixture(scope="session")
-def server(ray_cluster) -> Iterator[Server]:
-    """Joins the session's Ray instance (address=auto), so only the model load is paid."""
+@contextlib.contextmanager
+def launch_server(args: list[str], log_name: str) -> Iterator[Server]:
+    """A real `cadenza serve` subprocess with these flags, once /health says ok; it joins the
+    session's Ray instance, so only the model load is paid."""
     port = free_port()
-    cmd = [sys.executable, "-m", "cadenza.cli", "serve", "--port", str(port), "--api-key", API_KEY]
-    cmd += ["--num-blocks", "2048", "--max-frame-bytes", str(MAX_FRAME_BYTES), "--max-num-batched-tokens", "512"]
-    cmd += ["--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
+    cmd = [sys.executable, "-m", "cadenza.cli", "serve", "--port", str(port), *args]
     ARTIFACTS.mkdir(exist_ok=True)
-    log = open(ARTIFACTS / "serve.log", "w")
+    log = open(ARTIFACTS / log_name, "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     srv = Server(port, process)
+    try:
+        _wait_healthy(srv, log.name)
+        yield srv
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def _wait_healthy(srv: Server, log_name: str) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"cadenza serve exited with {process.returncode}; see {log.name}")
+        if srv.process.poll() is not None:
+            raise RuntimeError(f"cadenza serve exited with {srv.process.returncode}; see {log_name}")
         try:
             if srv.get("/health")["status"] == "ok":
-                break
+                return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            process.kill()
             raise RuntimeError(f"cadenza serve did not become healthy in {STARTUP_TIMEOUT_S} s")
         time.sleep(1)
-    yield srv
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster) -> Iterator[Server]:
+    """The shared test server: it speculates, with a small frame limit and an API key."""
+    args = ["--api-key", API_KEY, "--num-blocks", "2048", "--max-frame-bytes", str(MAX_FRAME_BYTES)]
+    args += ["--max-num-batched-tokens", "512", "--speculative-config", json.dumps(SPECULATIVE_CONFIG)]
+    with launch_server(args, "serve.log") as srv:
+        yield srv
