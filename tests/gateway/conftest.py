@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -52,6 +53,16 @@ class Server:
         request = urllib.request.Request(self.http + path, headers={"Authorization": f"Bearer {API_KEY}"})
         with urllib.request.urlopen(request, timeout=30) as r:
             return json.loads(r.read())
+
+    def post(self, path: str, body: bytes, key: str = API_KEY) -> tuple[int, dict]:
+        """(status, JSON body) of a POST with the key, 4xx and 5xx included."""
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        request = urllib.request.Request(self.http + path, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
 
     def engine_stats(self) -> dict:
         return self.get("/stats")["engine"]["engine"]

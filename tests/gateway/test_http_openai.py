@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -69,15 +67,8 @@ def test_completions_models_logprobs_n_and_stop(client, smollm) -> None:
     assert "Paris" not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
 
 
-def _post(server, path: str, body: bytes, key: str = API_KEY) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        server.http + path, data=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+def _post(server, path: str, body: bytes, key: str = API_KEY) -> tuple[int, dict]:  # noqa: ANN001
+    return server.post(path, body, key)
 
 
 @pytest.mark.slow

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
-from conftest import API_KEY
 
 from cadenza import SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
-HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 POISON = [
     ({"prompt": "hi", "top_k": 9223372036854775808}, "top_k"),
     ({"prompt": "hi", "top_k": 10**6}, "top_k"),
@@ -28,13 +24,7 @@ POISON = [
 
 
 def _post(server, path: str, body: dict) -> tuple[int, dict]:  # noqa: ANN001
-    data = json.dumps(body).encode()
-    request = urllib.request.Request(server.http + path, data=data, headers=HEADERS)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return server.post(path, json.dumps(body).encode())
 
 
 @pytest.mark.slow
