@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cadenza.gateway.admission import RETRY_AFTER_MS
@@ -21,11 +22,13 @@ from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionReque
 from cadenza.gateway.state import GatewayState, RequestError, new_id, presented_key, tenant_salt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from cadenza.async_llm import EngineDeadError, RequestFailedError
 from cadenza.outputs import RequestOutput
 
 Body = ChatCompletionRequest | CompletionRequest
+log = logging.getLogger(__name__)
 
 
 class OpenAIHttp:
@@ -45,19 +48,19 @@ class OpenAIHttp:
     async def _serve(self, request: Request, kind: type[Body], chat: bool) -> Response:
         try:  # the API key, Host and Origin were checked by http_guard.HttpGuard
             body = await read_json(request, kind, self.state.settings)
-            prompt_ids, params = self._prepare(body, chat)
         except BodyError as e:
             return error_response(e.status, str(e), e.code)
-        except RequestError as e:
-            status = 404 if e.code == "model_not_found" else 400
-            return error_response(status, str(e), e.code, e.param)
-        except ValueError as e:
-            return error_response(400, str(e), "invalid_request")
-        client = self.state.admission.client(presented_key(request.headers), request.client and request.client.host)
-        if not self.state.admission.try_acquire(client):
+        admission = self.state.admission
+        client = admission.client(presented_key(request.headers), request.client and request.client.host)
+        if not admission.try_acquire(client):  # before the template and tokenizer run
             retry = str(max(1, RETRY_AFTER_MS // 1000))
-            code, message = self.state.admission.refusal(client)
+            code, message = admission.refusal(client)
             return error_response(429, message, code, **{"Retry-After": retry})
+        try:  # templates and tokenizers are CPU work: off the event loop every socket shares
+            prompt_ids, params = await asyncio.to_thread(self._prepare, body, chat)
+        except Exception as e:
+            admission.release(client)
+            return _refusal(e)
         run = _Run(self.state, body, chat, prompt_ids, params)
         run.client = client
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
@@ -65,13 +68,15 @@ class OpenAIHttp:
             self.state.metrics, self.state.tracing, "chat" if chat else "text_completion", request.headers, params
         )
         if body.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream")
+            return ReleasingStream(run.sse(), run.release)
         try:
             return JSONResponse(await run.whole())
         except (RequestFailedError, EngineDeadError) as e:
             return error_response(500, str(e), "server_error")
         except ValueError as e:
             return error_response(400, str(e), "invalid_request")
+        finally:
+            run.release()
 
     def _prepare(self, body: Body, chat: bool) -> tuple[list[int], Any]:
         state = self.state
@@ -83,6 +88,9 @@ class OpenAIHttp:
             messages = [_chat_message(m) for m in body.messages]
             if not messages:
                 raise RequestError("messages must not be empty", "invalid_request", "messages")
+            if len(messages) > state.settings.max_messages:
+                message = f"{len(messages)} messages; at most {state.settings.max_messages} (max_messages)"
+                raise RequestError(message, "invalid_request", "messages")
             prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True), add_special_tokens=False)
         elif isinstance(body.prompt, str):
             prompt_ids = tokenizer.encode(body.prompt)
@@ -103,6 +111,34 @@ class OpenAIHttp:
         params = body.sampling_params(wanted or default, body.num_logprobs)
         state.check(params, prompt_ids, "messages" if chat else "prompt")
         return prompt_ids, params
+
+
+def _refusal(error: Exception) -> Response:
+    """The answer to a request that could not be prepared: its own content is the cause (a
+    template that raises on it included), so a 4xx with the reason, never a 500."""
+    if isinstance(error, RequestError):
+        status = 404 if error.code == "model_not_found" else 400
+        return error_response(status, str(error), error.code, error.param)
+    if not isinstance(error, ValueError):
+        log.warning("preparing a request failed: %s: %s", type(error).__name__, error)
+    return error_response(400, f"the request could not be prepared: {error}", "invalid_request")
+
+
+class ReleasingStream(StreamingResponse):
+    """An SSE response that gives its admission place back however it ends. The generator's
+    own `finally` is not enough: a client that disconnects before the first chunk can get the
+    response cancelled before the generator ever starts, and a never-started generator runs
+    no `finally`, which leaked the place for good."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 def _chat_message(m: Any) -> dict[str, str]:
@@ -131,6 +167,7 @@ class _Run:
         self.observation: Observation | None = None
         self.cache_salt: str | None = None
         self.client = ""  # whose admission place this run holds
+        self.released = False
         self.reasons: dict[int, str] = {}
         self.text = ""
 
@@ -155,9 +192,15 @@ class _Run:
             obs.fail(e)
             raise
         finally:
-            self.state.admission.release(self.client)
+            self.release()
         reasons = [self.reasons[i] for i in sorted(self.reasons)]
         obs.finish(self.id, reasons, len(self.prompt_ids), self.text)
+
+    def release(self) -> None:
+        """Give the admission place back, once, whichever path ends the run first."""
+        if not self.released:
+            self.released = True
+            self.state.admission.release(self.client)
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.prompt_ids)

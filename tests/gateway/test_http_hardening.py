@@ -517,3 +517,29 @@ def test_sigterm_drains_and_exits_0(tokenizer: Any) -> None:
         if process.poll() is None:
             process.kill()
     assert payloads[-1] == "[DONE]" and "shut down" in json.loads(payloads[-2])["error"]["message"]
+
+
+def test_a_stream_cancelled_before_its_first_chunk_gives_its_place_back() -> None:
+    """The client left before the response started: the SSE generator never runs (so its own
+    `finally` never does), yet the admission place is released."""
+    from cadenza.gateway.openai_http import ReleasingStream
+
+    released, started = [], []
+
+    async def chunks():  # noqa: ANN202
+        started.append(True)
+        yield "data: x\n\n"
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        raise OSError("the client is gone")
+
+    async def run() -> None:
+        response = ReleasingStream(chunks(), lambda: released.append(True))
+        with contextlib.suppress(Exception):  # starlette reports it as ClientDisconnect
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(run())
+    assert released == [True] and not started
