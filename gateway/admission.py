@@ -2,7 +2,7 @@
 
 Counts responses in flight across the server (running in the engine or queued behind the
 engine's running set) and per client (HTTP and websocket together), and websockets per
-client. A client is its API key when the server checks keys, else its peer address.
+client. A client is its peer address, with its API key when the server checks keys.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ class Admission:
         self.sockets: Counter[str] = Counter()
 
     def client(self, api_key: str | None, address: str | None) -> str:
-        """Whose quota a request counts against. A key counts only when the server checks it
-        (else a client could send a fresh made-up key per request); only its digest is kept."""
+        """Whose quota a request counts against: its address, and the digest of its key when the
+        server checks keys. The address stays in: one `--api-key` is usually shared by every
+        user of a frontend, and one of them must not take everyone's places. An unchecked key
+        is ignored (a client could make up a fresh one per request)."""
+        where = f"addr:{address or 'unknown'}"
         if self.keyed and api_key:
-            return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
-        return f"addr:{address or 'unknown'}"
+            return f"key:{hashlib.sha256(api_key.encode()).hexdigest()[:32]}:{where}"
+        return where
 
     def try_acquire(self, client: str) -> bool:
         if self.in_flight >= self.capacity or self.responses[client] >= self.max_responses_per_client:

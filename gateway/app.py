@@ -16,7 +16,7 @@ from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
 from cadenza.gateway.responses_ws import ResponsesSocket
 from cadenza.gateway.settings import GatewaySettings
-from cadenza.gateway.state import GatewayState
+from cadenza.gateway.state import KEY_SUBPROTOCOL, GatewayState, presented_key
 from cadenza.gateway.tracing import Tracing, provider_from_env
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,9 +26,6 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
-
-# Browsers cannot set headers on a websocket; they may offer the key as this subprotocol.
-KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 
 def build_app(
@@ -89,7 +86,7 @@ def build_app(
 async def handle_socket(ws: WebSocket, state: GatewayState, check_host: bool = True) -> None:
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     problem = _handshake_problem(ws, state, offered, check_host)
-    client = ws.client.host if ws.client else "unknown"
+    client = state.admission.client(presented_key(ws.headers), ws.client.host if ws.client else None)
     if problem is None and not state.admission.open_socket(client):
         problem = error_event(f"too many sockets from {client} (max_sockets_per_client)", "too_many_sockets", 429)
         client = None

@@ -103,7 +103,7 @@ class PacedEngine:
     def get_tokenizer(self):  # noqa: ANN201
         return self.tokenizer
 
-    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[RequestOutput]:  # noqa: ANN001
+    async def generate(self, prompt: dict, params, request_id: str, **_) -> AsyncIterator[RequestOutput]:  # noqa: ANN001, ANN003
         self.running += 1
         try:
             for i in range(params.max_tokens):

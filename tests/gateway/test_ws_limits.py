@@ -71,7 +71,9 @@ def test_server_capacity_refuses_before_work_with_a_retry_hint(paced) -> None:
 
     async def run() -> tuple[list[dict], int]:
         await _drained(engine)
-        async with websockets.connect(url) as a, websockets.connect(url) as b, websockets.connect(url) as c:
+        # b connects from another loopback address: one client may not fill the server alone.
+        other = websockets.connect(url, local_addr=("127.0.0.2", 0))
+        async with websockets.connect(url) as a, other as b, websockets.connect(url) as c:
             for ws, lanes in ((a, "abc"), (b, "def")):  # 6 = max_concurrent 4 + max_queued 2
                 for lane in lanes:
                     await ws.send(_create(lane))
@@ -150,7 +152,8 @@ def test_http_over_capacity_is_429_with_retry_after_and_disconnect_aborts(paced)
 
     async def run() -> tuple[int, str | None, int]:
         await _drained(engine)
-        async with websockets.connect(url) as a, websockets.connect(url) as b:
+        other = websockets.connect(url, local_addr=("127.0.0.2", 0))  # two clients fill it
+        async with websockets.connect(url) as a, other as b:
             for ws, lanes in ((a, "abc"), (b, "def")):  # fill max_concurrent 4 + max_queued 2
                 for lane in lanes:
                     await ws.send(_create(lane, tokens=400))

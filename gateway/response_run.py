@@ -1,0 +1,148 @@
+"""The event sequence of one websocket response, from response.created to its terminal
+event (`response.completed`, `response.incomplete` or `response.failed`), whatever ends it:
+the last token, a cancel, a steer, a closed socket or any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from cadenza.gateway import protocol as p
+from cadenza.gateway.observe import Observation
+from cadenza.gateway.state import PreparedResponse, new_id, presented_key, tenant_salt
+
+from cadenza.async_llm import EngineDeadError, RequestFailedError
+
+if TYPE_CHECKING:  # the socket owns its runs; only the types cross back
+    from cadenza.gateway.responses_ws import Job, ResponsesSocket
+
+log = logging.getLogger(__name__)
+
+
+class ResponseRun:
+    """The event sequence of one response, from response.created to its terminal event."""
+
+    def __init__(self, socket: ResponsesSocket, job: Job, prepared: PreparedResponse) -> None:
+        self.socket, self.job, self.prepared = socket, job, prepared
+        self.sid = job.create.stream_id
+        self.item_id = new_id("msg")
+        self.created_at = p.now()
+        self.text = ""
+        self.cached_tokens = 0
+        state = socket.state
+        self.observation = Observation(state.metrics, state.tracing, "chat", socket.ws.headers, prepared.params)
+        self.observation.span.messages(prepared.messages)
+
+    def response(self, status: str, output: list[p.Json], **fields: Any) -> p.Json:
+        r = p.response_object(
+            self.prepared.response_id, self.socket.state.model_name, status, self.job.create, output, self.created_at
+        )
+        return {**r, **fields}
+
+    async def emit(self, event: p.Json) -> None:
+        await self.socket.send(event, self.sid)
+
+    async def run(self) -> None:
+        item = {"output_index": 0, "item_id": self.item_id, "content_index": 0}
+        try:
+            finish = await self.open_and_stream(item)
+            self.job.finishing = True
+            prompt_tokens = len(self.prepared.prompt_ids)
+            self.observation.finish(self.prepared.response_id, [finish], prompt_tokens, self.text)
+            await self.finish(finish, item)
+        except Exception as e:  # the engine, a double, our own code: it ends this response only
+            self.observation.fail(e)
+            await self.fail(e)
+
+    async def open_and_stream(self, item: p.Json) -> str:
+        """From response.created to the last delta: a cancel or steer anywhere in here (before the
+        first token included) ends the response with its terminal event."""
+        try:
+            await self.emit({"type": "response.created", "response": self.response("in_progress", [])})
+            await self.emit({"type": "response.in_progress", "response": self.response("in_progress", [])})
+            added = p.message_item(self.item_id, "", "in_progress")
+            await self.emit({"type": "response.output_item.added", "output_index": 0, "item": added})
+            await self.emit({"type": "response.content_part.added", **item, "part": p.text_part("")})
+            return await self.stream(item)
+        except asyncio.CancelledError:
+            return "steered" if self.job.steer_input is not None else "cancelled"
+
+    async def stream(self, item: p.Json) -> str:
+        state = self.socket.state
+        finish = "stop"
+        salt = tenant_salt(presented_key(self.socket.ws.headers), self.job.create.cache_salt)
+        prepared = self.prepared
+        stream = state.generate(prepared.prompt_ids, prepared.params, prepared.response_id, True, salt)
+        async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
+            async for delta in stream:
+                out = delta.outputs[0]
+                self.observation.delta(delta)
+                self.cached_tokens = delta.num_cached_tokens
+                if out.text or out.token_ids:
+                    self.text += out.text
+                    extras: p.Json = {"token_ids": out.token_ids}
+                    if state.speculative:  # how many of these tokens were drafts the model accepted
+                        extras["accepted_tokens"] = out.num_accepted_tokens
+                    if out.logprobs:
+                        extras["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+                    await self.emit(
+                        {
+                            "type": "response.output_text.delta",
+                            **item,
+                            "delta": out.text,
+                            "logprobs": [],
+                            p.EXTRA_KEY: extras,
+                        }
+                    )
+                finish = out.finish_reason or finish
+        return finish
+
+    async def finish(self, finish: str, item: p.Json) -> None:
+        """Terminal events; runs also after a cancel or steer (the socket may still be open)."""
+        complete = finish == "stop"
+        await self.emit({"type": "response.output_text.done", **item, "text": self.text, "logprobs": []})
+        await self.emit({"type": "response.content_part.done", **item, "part": p.text_part(self.text)})
+        item_status = "completed" if complete else "incomplete"
+        message = p.message_item(self.item_id, self.text, item_status)
+        await self.emit({"type": "response.output_item.done", "output_index": 0, "item": message})
+        self.socket.state.store.put(
+            self.prepared.response_id, self.prepared.messages + [{"role": "assistant", "content": self.text}]
+        )
+        reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
+        status = "completed" if complete else ("cancelled" if finish == "cancelled" else "incomplete")
+        fields = {
+            "usage": p.usage(len(self.prepared.prompt_ids), self.cached_tokens, self.observation.output_tokens),
+            "incomplete_details": {"reason": reason} if reason else None,
+            "completed_at": int(p.now()) if complete else None,
+            p.EXTRA_KEY: self.timings(),
+        }
+        kind = "response.completed" if complete else "response.incomplete"
+        await self.emit({"type": kind, "response": self.response(status, [message], **fields)})
+
+    async def fail(self, e: Exception) -> None:
+        """The engine's own failures are shown as they are; anything else is logged, not shown."""
+        if isinstance(e, (RequestFailedError, EngineDeadError, ValueError)):
+            message = str(e)
+        else:
+            log.error("response %s failed", self.prepared.response_id, exc_info=e)
+            message = "the server failed while producing this response"
+        error = {"code": "server_error", "message": message}
+        await self.emit({"type": "response.failed", "response": self.response("failed", [], error=error)})
+
+    def timings(self) -> p.Json:
+        """From the observation, which saw the same deltas (one clock for metrics and extras),
+        with the speculative acceptance when the engine speculates."""
+        obs, tokens = self.observation, self.observation.output_tokens
+        first = obs.first_token_at
+        decode = time.time() - first if first else 0.0
+        rate = (tokens - 1) / decode if decode > 0 and tokens > 1 else None
+        timings = {
+            "ttft_s": None if first is None else first - obs.arrival,
+            "tokens_per_s": rate,
+            "cached_tokens": self.cached_tokens,
+        }
+        return {**timings, **obs.acceptance()} if self.socket.state.speculative else timings
