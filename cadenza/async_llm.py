@@ -13,11 +13,9 @@ cancelling the task aborts the request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -25,6 +23,7 @@ import ray
 
 from cadenza.actors.engine_actor import ActorStats, EngineActor, OutputBatch
 from cadenza.config import EngineConfig
+from cadenza.local_ray import ensure_ray
 from cadenza.messages import EngineOutput
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
 from cadenza.models.shard import stage_layers
@@ -49,97 +48,6 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine ended this request with an error (e.g. a worker died mid-step)."""
-
-
-LOOPBACK = "127.0.0.1"
-NODE_IP_ENV = "CADENZA_RAY_NODE_IP"
-
-
-def local_ray_options(num_cpus: int, node_ip_address: str | None = None) -> dict[str, Any]:
-    """ray.init kwargs for a private, local Ray instance: node IP from the argument, else
-    $CADENZA_RAY_NODE_IP, else loopback. Start it with init_local_ray (it needs one more step)."""
-    node_ip = node_ip_address or os.environ.get(NODE_IP_ENV) or LOOPBACK
-    return dict(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=node_ip)
-
-
-def init_local_ray(num_cpus: int, node_ip_address: str | None = None, **init_kwargs: Any) -> None:
-    """Start a new local Ray instance that listens on loopback only (unless a node IP is given).
-
-    Why it takes more than `_node_ip_address="127.0.0.1"` (Ray 2.60, read from its source and
-    checked with `ss`; the test is tests/deploy/test_ray_loopback.py): every component picks its
-    bind address from the node IP, and ray.init rewrites a loopback node IP into the host's
-    routable one (services.resolve_ip_for_localhost -> get_node_ip_address) unless
-    ray_constants.ENABLE_RAY_CLUSTER is false, which is what RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-    sets on macOS/Windows, read once when ray is imported. So ENABLE_RAY_CLUSTER is false while
-    ray.init resolves the node IP, and the node IP is then 127.0.0.1, so that:
-      - GCS, raylet (node manager and object manager) and every worker's gRPC server bind
-        127.0.0.1 instead of all interfaces (`*` / `::`), the C++ side choosing
-        listen_to_localhost_only when the node IP is "127.0.0.1";
-      - the dashboard agent's gRPC, HTTP (52365) and metrics-export servers
-        (dashboard/agent.py, http_server_agent.py, reporter_agent.py) and the autoscaler
-        monitor's (44217) and headless dashboard's (44227) Prometheus servers (monitor.py,
-        dashboard/head.py) bind loopback when `is_localhost(node_ip)`, else 0.0.0.0 / the node IP;
-      - the runtime-env agent binds the node IP itself;
-      - the dashboard HTTP server (dashboard_host) is not started (include_dashboard=False); the
-        headless dashboard process still runs for its metrics port.
-    Children take the node IP from their command line, so the flag only matters here, and it is
-    put back afterwards. A node IP that is not loopback gives Ray's own defaults: servers on all
-    interfaces, advertising that address (for other machines to join, use `ray start` instead).
-    """
-    from ray._common.network_utils import is_localhost
-
-    options = {**local_ray_options(num_cpus, node_ip_address), **init_kwargs}
-    _init_keeping_node_ip(options, is_localhost(options["_node_ip_address"]))
-
-
-@contextlib.contextmanager
-def _loopback_kept(loopback: bool = True) -> Iterator[None]:
-    """ENABLE_RAY_CLUSTER off while Ray resolves addresses, so a loopback one stays loopback
-    (see init_local_ray); put back afterwards."""
-    from ray._private import ray_constants
-
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = saved and not loopback
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
-def _init_keeping_node_ip(options: dict[str, Any], loopback: bool) -> None:
-    with _loopback_kept(loopback):
-        ray.init(**options)
-
-
-def join_ray(**init_kwargs: Any) -> None:
-    """Join the running cluster (RAY_ADDRESS, or one started on this machine). A cluster that
-    listens on loopback (one init_local_ray started) is joined as node 127.0.0.1: Ray would
-    otherwise rewrite its address, and the driver's, to the host's routable one, where nothing
-    listens, and wait until it times out. Raises ConnectionError when there is none."""
-    from ray._common.network_utils import is_localhost
-    from ray._private import services
-
-    with _loopback_kept():
-        address = services.canonicalize_bootstrap_address("auto") or "auto"
-    loopback = is_localhost(address.rsplit(":", 1)[0])
-    options: dict[str, Any] = {"address": address, **init_kwargs}
-    if loopback:
-        options["_node_ip_address"] = LOOPBACK
-    _init_keeping_node_ip(options, loopback)
-
-
-def ensure_ray(min_cpus: int) -> None:
-    """Join the running Ray cluster if there is one (RAY_ADDRESS or a local `ray start`),
-    else start a local instance, listening on loopback only, with at least one logical CPU
-    per worker."""
-    if ray.is_initialized():
-        return
-    try:
-        join_ray(logging_level="warning")
-    except ConnectionError:
-        if os.environ.get("RAY_ADDRESS"):  # a cluster was asked for: not a private one instead
-            raise
-        init_local_ray(max(os.cpu_count() or 1, min_cpus), logging_level="warning")
 
 
 class AsyncLLM:
