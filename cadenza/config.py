@@ -93,7 +93,7 @@ class EngineConfig:
     scheduling_policy: "fcfs" admits in arrival order and ignores request priorities;
     "priority" admits (and preempts) by (priority, arrival), lower first, as vLLM does.
     Request limits, checked before any work (cadenza.request_limits): max_logprobs caps
-    logprobs and prompt_logprobs; max_stop_strings / max_stop_string_chars /
+    logprobs and prompt_logprobs (-1: up to the vocabulary); max_stop_strings / max_stop_string_chars /
     max_stop_token_ids bound the stop conditions. request_timeout_s: a request still
     unfinished this long after it arrived ends with an error saying so (None: no deadline).
     """
@@ -139,9 +139,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        limits = ("max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids")
-        if any(getattr(self, name) < 0 for name in limits):
-            raise ValueError(f"{', '.join(limits)} must be non-negative")
+        limits = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids")
+        if any(getattr(self, name) < 0 for name in limits) or self.max_logprobs < -1:
+            raise ValueError(f"{', '.join(limits)} must be non-negative, max_logprobs >= -1 (-1: no cap)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
 

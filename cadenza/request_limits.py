@@ -57,10 +57,11 @@ def _check_prompt(prompt_ids: Sequence[int], limits: RequestLimits) -> None:
 def _check_sampling(params: SamplingParams, limits: RequestLimits) -> None:
     if params.effective_top_k > limits.vocab_size:
         raise ValueError(f"top_k must be at most the vocabulary size {limits.vocab_size}, got {params.top_k}")
+    cap = limits.vocab_size if limits.max_logprobs < 0 else limits.max_logprobs  # -1: no cap, as in vLLM
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > limits.max_logprobs:
-            raise ValueError(f"{name} must be at most {limits.max_logprobs} (max_logprobs), got {value}")
+        if value is not None and value > cap:
+            raise ValueError(f"{name} must be at most {cap} (max_logprobs), got {value}")
     if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:
         raise ValueError(f"max_tokens ({params.max_tokens}) must be below max_model_len={limits.max_model_len}")
     if params.min_tokens >= limits.max_model_len:

@@ -26,7 +26,8 @@ def test_tiny_teacher_forced_logprobs(tiny_model, kind: str, block_size: int, bu
     path, hf = tiny_model(kind)
     vocab = TINY["vocab_size"]
     ids = torch.randint(0, vocab, (90,), generator=torch.Generator().manual_seed(1)).tolist()
-    llm = LLM(str(path), block_size=block_size, max_num_batched_tokens=budget, num_blocks=64)
+    # max_logprobs=-1: no cap, as in vLLM; the whole distribution is compared.
+    llm = LLM(str(path), block_size=block_size, max_num_batched_tokens=budget, num_blocks=64, max_logprobs=-1)
     ours = our_prompt_logprobs(llm, ids, k=vocab)
     ref = hf_logprobs(hf, ids)
     assert ours[0] is None and len(ours) == len(ids)
