@@ -64,7 +64,8 @@ class Drain:
         except asyncio.CancelledError:
             if not live.ended:  # the client's own cancel or disconnect
                 raise
-            live.task.uncancel()
+            if hasattr(live.task, "uncancel"):  # 3.11+: the cancel we sent is consumed here
+                live.task.uncancel()
         finally:
             self.live.discard(live)
         raise ShutdownError("the server shut down before this response finished (drain_timeout_s)")
