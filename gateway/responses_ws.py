@@ -73,13 +73,28 @@ class ResponsesSocket:
                 event["stream_id"] = stream_id
             self.seq += 1
             try:
-                # uvicorn's send waits while the transport is over its high-water mark, which
-                # stays so for as long as the client does not read.
-                await asyncio.wait_for(self.ws.send_text(p.encode(event).decode()), self.state.settings.send_timeout_s)
+                await self.send_within(p.encode(event).decode(), self.state.settings.send_timeout_s)
             except asyncio.TimeoutError:
                 self.stall()
             except (WebSocketDisconnect, RuntimeError, OSError):
                 self.closed = True
+
+    async def send_within(self, text: str, timeout_s: float) -> None:
+        """uvicorn's send waits while the transport is over its high-water mark, which stays so
+        for as long as the client does not read. NOTE: not asyncio.wait_for: on Python 3.11 it
+        loses a cancel that arrives as the send completes, and the cancelled response then
+        streams on to its end into a closed socket (seen: a closed socket's response held its
+        place and KV for its whole length). asyncio.wait never swallows the caller's cancel."""
+        sending = asyncio.ensure_future(self.ws.send_text(text))
+        try:
+            done, _ = await asyncio.wait({sending}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            sending.cancel()
+            raise
+        if not done:
+            sending.cancel()
+            raise asyncio.TimeoutError
+        sending.result()
 
     def stall(self) -> None:
         """A client that stopped reading: end the socket, which cancels its responses and

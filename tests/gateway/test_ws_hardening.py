@@ -347,3 +347,29 @@ def test_admission_refuses_before_the_template_which_runs_off_the_loop(tokenizer
     assert refused["error"]["code"] == "server_overloaded" and refused["error"]["retry_after_ms"] > 0
     assert created["type"] == "response.created" and not strict.gate_timed_out
     assert strict.renders == 2  # a's and b's: the refused response never reached the template
+
+
+def test_a_cancel_that_meets_a_completing_send_is_not_lost() -> None:
+    """The send completes in the same loop turn as the response is cancelled (a closed socket's
+    stop_all): asyncio.wait_for on Python 3.11 returned the send's result and dropped the
+    cancel, and the response streamed on to its end, holding its place and KV."""
+    from cadenza.gateway.responses_ws import ResponsesSocket
+
+    class InstantSocket:
+        async def send_text(self, text: str) -> None:
+            return None
+
+    socket = ResponsesSocket.__new__(ResponsesSocket)
+    socket.ws = InstantSocket()
+
+    async def run() -> bool:
+        task = asyncio.ensure_future(socket.send_within("{}", 5.0))
+        await asyncio.sleep(0)  # the send is scheduled; it completes before the task resumes
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(run()), "the cancel was swallowed"
