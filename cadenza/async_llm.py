@@ -33,7 +33,6 @@ from cadenza.output_processor import SequenceState
 from cadenza.outputs import CompletionOutput, RequestOutput
 from cadenza.pacing import Pacer, QueueItem
 from cadenza.prompts import PendingRequest, Prompt, fan_out, require_tokenizer, tokenize
-from cadenza.request_limits import check_request
 from cadenza.sampling_params import SamplingParams
 
 _batch_decoder = msgspec.msgpack.Decoder(OutputBatch)
@@ -95,7 +94,6 @@ class AsyncLLM:
         self._check_alive()
         params = sampling_params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
-        check_request(params, ids, self.request_limits)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer, cache_salt)
         if rid in self._families or any(r.request_id in self._queues for r in requests):

@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.json_depth import check_json_depth
@@ -301,19 +302,8 @@ class ResponsesSocket:
     def continue_steered(self, job: Job, prepared: PreparedResponse) -> None:
         """The successor continues from the steered response at the front of its lane, taking a
         place unconditionally (its parent's is released a moment later, when its task ends)."""
-        create, sid = job.create, job.create.stream_id
-        successor = p.ResponseCreate(
-            model=create.model,
-            input=[p.InputMessage(role=m["role"], content=m["content"]) for m in job.steer_input],
-            instructions=create.instructions,
-            max_output_tokens=create.max_output_tokens,
-            temperature=create.temperature,
-            top_p=create.top_p,
-            top_logprobs=create.top_logprobs,
-            previous_response_id=prepared.response_id,
-            stream_id=sid,
-            cache_salt=create.cache_salt,
-        )
+        messages = [p.InputMessage(role=m["role"], content=m["content"]) for m in job.steer_input]
+        successor = msgspec.structs.replace(job.create, input=messages, previous_response_id=prepared.response_id)
         self.state.admission.acquire(self.client)
         self.pending += 1
         self.enqueue(Job(successor), front=True)
