@@ -11,6 +11,7 @@ target then rejects are simply overwritten by the next catch-up.
 from __future__ import annotations
 
 import torch
+
 from cadenza.actors.model_runner import allocate_kv_cache
 from cadenza.actors.rejection_sampler import at_position
 from cadenza.actors.sampler import apply_penalties_and_masks, draw, sampling_probs

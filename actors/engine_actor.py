@@ -13,12 +13,12 @@ import logging
 import os
 
 import msgspec
+
 from cadenza.actors.engine_core import EngineCore, EngineStats
 from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
-from cadenza.models.loader import load_tokenizer, max_model_len, read_model
-
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest
+from cadenza.models.loader import load_tokenizer, max_model_len, read_model
 
 log = logging.getLogger(__name__)
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 import logging
 
 import msgspec
+
 from cadenza.actors.block_pool import BlockPool, BlockPoolStats
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.proposers import build_proposer
 from cadenza.actors.request import Request
 from cadenza.actors.scheduler import Scheduler, SpecDecodeStats
-from cadenza.models.config import ModelConfig
-from cadenza.models.loader import LoadedModel
-
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, SchedulerOutput
+from cadenza.models.config import ModelConfig
+from cadenza.models.loader import LoadedModel
 from cadenza.request_limits import check_request
 
 log = logging.getLogger(__name__)

@@ -24,11 +24,11 @@ import os
 
 import msgspec
 import ray
-from cadenza.actors.worker import Worker, WorkerSpec
 from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cadenza.actors.worker import Worker, WorkerSpec
 from cadenza.config import EngineConfig
 from cadenza.messages import ModelRunnerOutput, SchedulerOutput
 

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Sequence
 
 import msgspec
+
 from cadenza.actors.block_pool import BlockPool, KVBlock
 from cadenza.actors.request import Request
 

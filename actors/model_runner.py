@@ -7,14 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
 from cadenza.actors.spec_proposal import ProposalInput, Proposer
 from cadenza.actors.varlen_batch import Chunk, build_batch
 from cadenza.kernels.metadata import AttentionMetadata
-from cadenza.models.llama import LlamaForCausalLM
-
 from cadenza.messages import HiddenStates, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from cadenza.models.llama import LlamaForCausalLM
 from cadenza.sampling_params import SamplingParams
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from cadenza.actors.spec_proposal import ProposalInput
 from numpy.lib.stride_tricks import sliding_window_view
 
+from cadenza.actors.spec_proposal import ProposalInput
 from cadenza.config import SpeculativeConfig
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch.nn as nn
+
 from cadenza.actors.draft_proposer import DraftModelProposer
 from cadenza.actors.ngram_proposer import NgramProposer
 from cadenza.actors.spec_proposal import Proposer
+from cadenza.config import EngineConfig
 from cadenza.models.config import ModelConfig
 from cadenza.models.loader import load_model
-
-from cadenza.config import EngineConfig
 
 
 def build_proposer(config: EngineConfig, target: ModelConfig, max_model_len: int, num_blocks: int) -> Proposer | None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from cadenza.actors.sampler import SamplingRow, apply_penalties_and_masks, draw, sampling_probs, token_logprobs
 
+from cadenza.actors.sampler import SamplingRow, apply_penalties_and_masks, draw, sampling_probs, token_logprobs
 from cadenza.messages import TokenLogprobs
 
 

@@ -7,9 +7,9 @@ import bisect
 import time
 
 import msgspec
+
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.request import Request, RequestStatus
-
 from cadenza.config import SpeculativeConfig
 from cadenza.messages import (
     CachedRequestData,

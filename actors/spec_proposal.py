@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from cadenza.actors.sampler import SamplingRow
 
 

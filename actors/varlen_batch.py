@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from cadenza.kernels.metadata import AttentionMetadata
 
 

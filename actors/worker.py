@@ -15,14 +15,14 @@ import msgspec
 import ray
 import torch
 import torch.distributed as dist
+
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.proposers import build_proposer
+from cadenza.config import EngineConfig
+from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput
 from cadenza.models.loader import load_model
 from cadenza.models.shard import shard_model
 from cadenza.models.tp import SINGLE, TPGroup
-
-from cadenza.config import EngineConfig
-from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput
 
 
 class WorkerSpec(msgspec.Struct, kw_only=True):

@@ -11,13 +11,6 @@ from importlib.resources import files
 from typing import Any
 
 import msgspec
-from cadenza.gateway.http_guard import HttpGuard, host_refusal
-from cadenza.gateway.openai_http import OpenAIHttp
-from cadenza.gateway.protocol import encode, error_event
-from cadenza.gateway.responses_ws import ResponsesSocket
-from cadenza.gateway.settings import GatewaySettings
-from cadenza.gateway.state import KEY_SUBPROTOCOL, GatewayState, presented_key
-from cadenza.gateway.tracing import Tracing, provider_from_env
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -26,6 +19,14 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
+
+from cadenza.gateway.http_guard import HttpGuard, host_refusal
+from cadenza.gateway.openai_http import OpenAIHttp
+from cadenza.gateway.protocol import encode, error_event
+from cadenza.gateway.responses_ws import ResponsesSocket
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.gateway.state import KEY_SUBPROTOCOL, GatewayState, presented_key
+from cadenza.gateway.tracing import Tracing, provider_from_env
 
 
 def build_app(

@@ -16,9 +16,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cadenza.gateway.admission import Admission
-
 from cadenza.async_llm import RequestFailedError
+from cadenza.gateway.admission import Admission
 from cadenza.outputs import RequestOutput
 
 # After the survivors are ended: time for their terminal events to reach the sockets.

@@ -18,14 +18,15 @@ from __future__ import annotations
 import re
 
 import msgspec
-from cadenza.gateway.drain import Drain
-from cadenza.gateway.json_depth import check_json_depth
-from cadenza.gateway.protocol import error_object
-from cadenza.gateway.settings import GatewaySettings
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cadenza.gateway.drain import Drain
+from cadenza.gateway.json_depth import check_json_depth
+from cadenza.gateway.protocol import error_object
+from cadenza.gateway.settings import GatewaySettings
 
 # The chat page holds no data (with a key set it is served without even the model name): a
 # browser's first load cannot send a header, so the page takes the key from its address and

@@ -9,7 +9,6 @@ from typing import Any
 
 from cadenza.gateway.metrics import Metrics
 from cadenza.gateway.tracing import Tracing
-
 from cadenza.outputs import RequestOutput
 
 

@@ -15,16 +15,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from cadenza.gateway.admission import RETRY_AFTER_MS
-from cadenza.gateway.http_guard import BodyError, error_response, read_json
-from cadenza.gateway.observe import Observation
-from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
-from cadenza.gateway.state import GatewayState, RequestError, new_id, presented_key, tenant_salt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from cadenza.async_llm import EngineDeadError, RequestFailedError
+from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.http_guard import BodyError, error_response, read_json
+from cadenza.gateway.observe import Observation
+from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from cadenza.gateway.state import GatewayState, RequestError, new_id, presented_key, tenant_salt
 from cadenza.outputs import RequestOutput
 
 Body = ChatCompletionRequest | CompletionRequest

@@ -11,11 +11,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from cadenza.async_llm import EngineDeadError, RequestFailedError
 from cadenza.gateway import protocol as p
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.state import PreparedResponse, new_id, presented_key, tenant_salt
-
-from cadenza.async_llm import EngineDeadError, RequestFailedError
 
 if TYPE_CHECKING:  # the socket owns its runs; only the types cross back
     from cadenza.gateway.responses_ws import Job, ResponsesSocket

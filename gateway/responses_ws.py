@@ -20,12 +20,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.json_depth import check_json_depth
 from cadenza.gateway.response_run import ResponseRun
 from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id, presented_key
-from starlette.websockets import WebSocket, WebSocketDisconnect
 
 log = logging.getLogger(__name__)
 Refusal = tuple[str, str]  # (code, message)

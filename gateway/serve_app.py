@@ -23,14 +23,14 @@ import dataclasses
 import os
 from typing import Any
 
-from cadenza.gateway.app import build_app as build_gateway
-from cadenza.gateway.settings import GatewaySettings
-from cadenza.models.loader import DEFAULT_MODEL
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cadenza.async_llm import AsyncLLM
+from cadenza.gateway.app import build_app as build_gateway
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
 
 REPLICA_HEADER = "x-cadenza-replica"
 API_KEY_ENV = "CADENZA_API_KEY"

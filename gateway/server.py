@@ -11,13 +11,13 @@ import socket
 from types import FrameType
 
 import uvicorn
+from starlette.applications import Starlette
+
+from cadenza.engine_args import engine_kwargs
 from cadenza.gateway.app import build_app
 from cadenza.gateway.header_timeout import head_deadline_protocol
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
-from starlette.applications import Starlette
-
-from cadenza.engine_args import engine_kwargs
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5

@@ -17,7 +17,6 @@ from cadenza.gateway.protocol import ResponseCreate, input_messages
 from cadenza.gateway.response_store import Message, ResponseStore
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.tracing import Tracing
-
 from cadenza.outputs import RequestOutput
 from cadenza.request_limits import check_request
 from cadenza.sampling_params import SamplingParams

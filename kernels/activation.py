@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from cadenza.kernels.triton_common import block_for
 
 

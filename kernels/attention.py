@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from cadenza.kernels.metadata import AttentionMetadata, DecodePlan
 
 

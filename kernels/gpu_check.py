@@ -251,6 +251,7 @@ def _sdpa_baseline(
     """torch SDPA over contiguous K/V of the first request's length for every request (K/V
     gathered before timing: torch has no paged attention), GQA without repeating K/V."""
     import torch.nn.functional as F
+
     from cadenza.kernels.attention import gather_kv
 
     reqs = len(meta.seq_lens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from cadenza.kernels.triton_common import block_for
 
 

@@ -17,6 +17,7 @@ import functools
 import os
 
 import torch
+
 from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from cadenza.kernels.attention import paged_attention_ref
 from cadenza.kernels.cpu_native import (

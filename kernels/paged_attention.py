@@ -8,6 +8,7 @@ verification with k+1 tokens) goes through one launch of the extend kernel.
 from __future__ import annotations
 
 import torch
+
 from cadenza.kernels.decode_attention import paged_decode_attention_triton
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.kernels.prefill_attention import extend_attention_triton

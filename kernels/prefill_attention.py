@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from cadenza.kernels.attention_tile import (
     LOG2E,
     check_caches,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from cadenza.kernels.triton_common import dot_precision, dot_tile
 
 

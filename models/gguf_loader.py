@@ -9,6 +9,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+
 from cadenza.models.config import ModelConfig
 
 Q = gguf.GGMLQuantizationType

@@ -7,12 +7,13 @@ other op goes through cadenza.kernels.ops so the Triton kernels slot in unchange
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from cadenza.kernels import cpu_native, ops
 from cadenza.kernels.metadata import AttentionMetadata
 from cadenza.models.config import ModelConfig
 from cadenza.models.rope import cos_sin_cache
 from cadenza.models.tp import SINGLE, TPGroup
-from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from cadenza.models.config import ModelConfig
 from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_config
 from cadenza.models.llama import LlamaForCausalLM

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from cadenza.models.config import ModelConfig
 
 

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from cadenza.models.config import ModelConfig
 from safetensors import safe_open
+
+from cadenza.models.config import ModelConfig
 
 
 def read_hf_config(directory: Path) -> ModelConfig:

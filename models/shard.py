@@ -7,9 +7,10 @@ same); the slices are fresh contiguous copies, so the full weights are freed aft
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from cadenza.models.llama import Attention, Linear, LlamaForCausalLM
 from cadenza.models.tp import TPGroup, head_slice, padded_vocab_slice, split_evenly
-from torch import nn
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-from cadenza.models.chat_template import render_chat
-from cadenza.models.gguf_loader import field_value
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from cadenza.models.chat_template import render_chat
+from cadenza.models.gguf_loader import field_value
 
 # Pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` name (the patterns each
 # model family's reference tokenizer uses).

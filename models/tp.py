@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from cadenza.models.config import ModelConfig
 
 

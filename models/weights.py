@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterable
 
 import torch
+
 from cadenza.models.config import ModelConfig
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.rope import cos_sin_cache

@@ -7,10 +7,10 @@ import time
 
 import pytest
 import ray
-from cadenza.models.loader import DEFAULT_MODEL
 
 from cadenza import AsyncLLM, SamplingParams
 from cadenza.async_llm import EngineDeadError, RequestFailedError
+from cadenza.models.loader import DEFAULT_MODEL
 
 NUM_BLOCKS = 1024
 

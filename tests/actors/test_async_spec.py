@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from cadenza.models.loader import DEFAULT_MODEL
 
 from cadenza import LLM, AsyncLLM, SamplingParams
+from cadenza.models.loader import DEFAULT_MODEL
 from cadenza.outputs import RequestOutput
 
 # Input-grounded: the reply copies the prompt, so prompt-lookup drafts get accepted.

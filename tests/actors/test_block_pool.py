@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+
 from cadenza.actors.block_pool import BlockPool
 from cadenza.actors.kv_cache_manager import KVCacheManager, hash_block
 from cadenza.actors.request import Request
-
 from cadenza.messages import EngineRequest
 from cadenza.sampling_params import SamplingParams
 

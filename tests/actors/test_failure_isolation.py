@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-from cadenza.actors import model_runner
-from cadenza.actors.request import Request
 
 from cadenza import LLM, SamplingParams
+from cadenza.actors import model_runner
+from cadenza.actors.request import Request
 from cadenza.messages import EngineRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -181,7 +181,6 @@ def test_a_request_that_outgrows_the_pool_alone_fails_instead_of_preempting_itse
     from cadenza.actors.block_pool import BlockPool
     from cadenza.actors.kv_cache_manager import KVCacheManager
     from cadenza.actors.scheduler import Scheduler
-
     from cadenza.messages import ModelRunnerOutput
 
     scheduler = Scheduler(KVCacheManager(BlockPool(2), 4, False), 4, 2, 64)

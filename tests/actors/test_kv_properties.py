@@ -15,14 +15,14 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
-from cadenza.actors.block_pool import BlockPool
-from cadenza.actors.kv_cache_manager import KVCacheManager
-from cadenza.actors.request import Request, RequestStatus
-from cadenza.actors.scheduler import Scheduler
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from cadenza.actors.block_pool import BlockPool
+from cadenza.actors.kv_cache_manager import KVCacheManager
+from cadenza.actors.request import Request, RequestStatus
+from cadenza.actors.scheduler import Scheduler
 from cadenza.messages import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
 from cadenza.sampling_params import SamplingParams
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
+from cadenza import LLM, AsyncLLM, SamplingParams
 from cadenza.models.config import ModelConfig
 from cadenza.models.loader import DEFAULT_MODEL, read_model
 from cadenza.models.tp import check_tp, head_slice
-
-from cadenza import LLM, AsyncLLM, SamplingParams
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tensor_parallel_size, pipeline_parallel_size)
 

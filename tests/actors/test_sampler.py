@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from cadenza.actors.sampler import SamplingRow, sample
 
+from cadenza.actors.sampler import SamplingRow, sample
 from cadenza.sampling_params import SamplingParams
 
 

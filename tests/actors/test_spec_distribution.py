@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cadenza.actors.rejection_sampler import SpecRow, verify
-from cadenza.actors.sampler import SamplingRow, sampling_probs
 
 from cadenza import LLM, SamplingParams
+from cadenza.actors.rejection_sampler import SpecRow, verify
+from cadenza.actors.sampler import SamplingRow, sampling_probs
 
 SAMPLES = 20_000
 CONTEXT = [(7 * i) % 150 + 3 for i in range(10)]

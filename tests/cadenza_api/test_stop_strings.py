@@ -4,11 +4,11 @@ order, and none ends a request before min_tokens tokens exist."""
 from __future__ import annotations
 
 import pytest
-from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
-from cadenza.models.tokenizer import Tokenizer
 
 from cadenza import SamplingParams
 from cadenza.messages import EngineOutput
+from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
+from cadenza.models.tokenizer import Tokenizer
 from cadenza.output_processor import SequenceState
 
 

@@ -3,9 +3,8 @@ client can neither hit nor count another tenant's cached prompt."""
 
 from __future__ import annotations
 
-from cadenza.gateway.state import tenant_salt
-
 from cadenza import LLM, SamplingParams
+from cadenza.gateway.state import tenant_salt
 from cadenza.messages import EngineRequest
 
 PREFIX = list(range(1, 65))  # four 16-token blocks

@@ -48,6 +48,7 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer and chat template: fast to load twice."""
     import torch
     import transformers
+
     from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
 
     directory = tmp_path_factory.mktemp("tiny_chat")
@@ -72,9 +73,10 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_replicas(ray_cluster, tiny_chat_model: Path):  # noqa: ANN201
-    from cadenza.gateway.serve_app import SESSION_ROUTER, CadenzaDeployment
     from conftest_serve import free_port
     from ray import serve
+
+    from cadenza.gateway.serve_app import SESSION_ROUTER, CadenzaDeployment
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

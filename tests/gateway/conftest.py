@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 import uvicorn
+
 from cadenza.gateway.server import uvicorn_config
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
-
 from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 API_KEY = "test-key"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from cadenza.gateway.app import build_app
-from cadenza.gateway.settings import GatewaySettings
-from cadenza.models.loader import DEFAULT_MODEL
 from conftest import ARTIFACTS, PacedEngine, free_port, serve_in_thread
 
 from cadenza.cli import main
+from cadenza.gateway.app import build_app
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
 
 
 @pytest.mark.parametrize("transport", ["http", "ws"])

@@ -23,14 +23,14 @@ from typing import Any
 import pytest
 import uvicorn
 import websockets
+from conftest import PacedEngine, free_port, serve_in_thread
+
+from cadenza.cli import build_parser
 from cadenza.gateway.app import build_app
 from cadenza.gateway.header_timeout import H11HeadDeadline, head_deadline_protocol
 from cadenza.gateway.server import GatewayServer, settings_from_args, uvicorn_config
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
-from conftest import PacedEngine, free_port, serve_in_thread
-
-from cadenza.cli import build_parser
 from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 GUARD_S = 60  # hang guard only

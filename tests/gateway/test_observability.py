@@ -7,14 +7,15 @@ import urllib.request
 
 import openai
 import pytest
-from cadenza.gateway.app import build_app
-from cadenza.gateway.settings import GatewaySettings
-from cadenza.models.loader import DEFAULT_MODEL
 from conftest import API_KEY, PacedEngine, free_port, serve_in_thread
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
+
+from cadenza.gateway.app import build_app
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
 
 
 def _scrape(server) -> dict[tuple[str, tuple], float]:

@@ -18,12 +18,12 @@ from collections.abc import Iterator
 
 import pytest
 import websockets
-from cadenza.gateway.app import build_app
-from cadenza.gateway.settings import GatewaySettings
 from conftest import PacedEngine, free_port, serve_in_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cadenza.gateway.app import build_app
+from cadenza.gateway.settings import GatewaySettings
 from cadenza.request_limits import RequestLimits
 
 MODEL = "SmolLM2-135M-Instruct"

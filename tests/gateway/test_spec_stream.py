@@ -11,15 +11,15 @@ from collections.abc import Iterator
 import openai
 import pytest
 import websockets
-from cadenza.gateway.app import build_app
-from cadenza.gateway.settings import GatewaySettings
-from cadenza.models.loader import DEFAULT_MODEL
 from conftest import API_KEY, SPECULATIVE_CONFIG, free_port, serve_in_thread
 from openai.types.responses.responses_server_event import ResponsesServerEvent
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import TypeAdapter
 
 from cadenza import AsyncLLM, SamplingParams
+from cadenza.gateway.app import build_app
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SERVER_EVENT = TypeAdapter(ResponsesServerEvent)

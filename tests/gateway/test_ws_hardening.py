@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import websockets
+from conftest import PacedEngine, free_port, serve_in_thread
+
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
 from cadenza.models.chat_template import render_chat
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
-from conftest import PacedEngine, free_port, serve_in_thread
-
 from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 GUARD_S = 30  # hang guard only: every wait below ends on an event, never on a clock

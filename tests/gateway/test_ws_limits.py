@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 import websockets
+from conftest import PacedEngine, free_port, serve_in_thread
+
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.models.loader import DEFAULT_MODEL
-from conftest import PacedEngine, free_port, serve_in_thread
 
 
 @pytest.fixture(scope="module")

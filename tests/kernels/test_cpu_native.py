@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cadenza.kernels import cpu_native, ops
 from cadenza.kernels.activation import silu_and_mul_ref
 from cadenza.kernels.attention import paged_attention_ref, paged_decode_attention_ref
 from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from cadenza.kernels.rotary import rotary_ref
-
 from tests.kernels.test_attention_kernels import HEADS, _paged_batch
 
 pytestmark = pytest.mark.skipif(

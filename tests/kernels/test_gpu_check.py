@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-from cadenza.kernels import gpu_check
 
+from cadenza.kernels import gpu_check
 from tests.kernels._compare import DEVICE
 
 KERNELS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cadenza.kernels import ops
 from cadenza.kernels.quant_gemm import (
     dequantize_w4,
@@ -15,7 +16,6 @@ from cadenza.kernels.quant_gemm import (
     w8a16_matmul_ref,
     w8a16_matmul_triton,
 )
-
 from tests.kernels._compare import DEVICE, DTYPES, within_2x
 
 

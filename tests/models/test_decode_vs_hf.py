@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cadenza.kernels import cpu_native
 
 from cadenza import LLM, SamplingParams
+from cadenza.kernels import cpu_native
 from tests.conftest import TINY, TINY_CONFIGS
 from tests.models.test_logits_vs_hf import hf_logprobs
 

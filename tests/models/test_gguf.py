@@ -9,9 +9,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from cadenza.models.tokenizer import _byte_alphabet
 
 from cadenza import LLM, SamplingParams
+from cadenza.models.tokenizer import _byte_alphabet
 
 Q = gguf.GGMLQuantizationType
 _NAMES = {

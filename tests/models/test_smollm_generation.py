@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cadenza.models.loader import DEFAULT_MODEL
 
 from cadenza import LLM, SamplingParams
+from cadenza.models.loader import DEFAULT_MODEL
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from cadenza.models.detokenizer import IncrementalDetokenizer
 from cadenza.models.gguf_loader import open_gguf
 from cadenza.models.tokenizer import Tokenizer
