@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import msgspec
+from cadenza.stats import BlockPoolStats
 
 
 @dataclass(slots=True)
@@ -17,15 +17,6 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
-
-
-class BlockPoolStats(msgspec.Struct):
-    num_blocks: int
-    num_free_blocks: int
-    usage: float  # fraction of blocks referenced by some request
-    queries: int  # prompt tokens looked up in the prefix cache
-    hits: int  # of those, tokens found
-    evictions: int  # cached blocks whose hash was dropped for reuse
 
 
 class BlockPool:

@@ -14,11 +14,12 @@ import os
 
 import msgspec
 
-from cadenza.actors.engine_core import EngineCore, EngineStats
+from cadenza.actors.engine_core import EngineCore
 from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest
 from cadenza.models.loader import load_tokenizer, max_model_len, read_model
+from cadenza.stats import ServingStats
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +32,6 @@ class OutputBatch(msgspec.Struct, kw_only=True):
 
     last: int
     outputs: list[EngineOutput]
-
-
-class ActorStats(msgspec.Struct, kw_only=True):
-    engine: EngineStats
-    num_workers: int
-    worker_pids: list[int]
-    num_worker_restarts: int
-    num_steps: int
-    compiled_graph: bool  # steps run as a Ray Compiled Graph (else plain actor calls)
-    engine_pid: int
 
 
 class EngineActor:
@@ -102,7 +93,7 @@ class EngineActor:
 
     async def stats(self) -> bytes:
         return _encoder.encode(
-            ActorStats(
+            ServingStats(
                 engine=self.core.stats(),
                 num_workers=len(self.executor.workers),
                 worker_pids=list(self.executor.pids),

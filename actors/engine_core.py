@@ -9,27 +9,20 @@ import logging
 
 import msgspec
 
-from cadenza.actors.block_pool import BlockPool, BlockPoolStats
+from cadenza.actors.block_pool import BlockPool
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.proposers import build_proposer
 from cadenza.actors.request import Request
-from cadenza.actors.scheduler import Scheduler, SpecDecodeStats
+from cadenza.actors.scheduler import Scheduler
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, SchedulerOutput
 from cadenza.models.config import ModelConfig
 from cadenza.models.loader import LoadedModel
 from cadenza.request_limits import check_request
+from cadenza.stats import EngineStats
 
 log = logging.getLogger(__name__)
-
-
-class EngineStats(msgspec.Struct):
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    kv_cache: BlockPoolStats
-    spec_decode: SpecDecodeStats | None = None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> int:

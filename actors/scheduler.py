@@ -6,8 +6,6 @@ from __future__ import annotations
 import bisect
 import time
 
-import msgspec
-
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.request import Request, RequestStatus
 from cadenza.config import SpeculativeConfig
@@ -18,25 +16,7 @@ from cadenza.messages import (
     NewRequestData,
     SchedulerOutput,
 )
-
-
-class SpecDecodeStats(msgspec.Struct):
-    """Speculative decoding since start: verification steps, drafts and accepted drafts,
-    and accepted_per_position[j]: how often the draft at position j was accepted."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = []
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        grow = num_draft_tokens - len(self.accepted_per_position)
-        self.accepted_per_position += [0] * max(grow, 0)
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
+from cadenza.stats import SpecDecodeStats
 
 
 class Scheduler:

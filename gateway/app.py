@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 from importlib.resources import files
-from typing import Any
 
 import msgspec
 from opentelemetry.sdk.trace import TracerProvider
@@ -20,6 +19,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from cadenza.engine_client import EngineClient
 from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
@@ -30,7 +30,7 @@ from cadenza.gateway.tracing import Tracing, provider_from_env
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     model_name: str,
     settings: GatewaySettings,
     tracer_provider: TracerProvider | None = None,

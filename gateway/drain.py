@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cadenza.async_llm import RequestFailedError
+from cadenza.errors import RequestFailedError
 from cadenza.gateway.admission import Admission
 from cadenza.outputs import RequestOutput
 

@@ -7,10 +7,13 @@ preemptions, speculative drafts and acceptances) is read from the engine's stats
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from cadenza.engine_client import EngineClient
+from cadenza.stats import ServingStats, SpecDecodeStats
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -31,13 +34,13 @@ class Metrics:
         self.success = Counter(
             "cadenza:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
-        self.engine_stats: Any = None
+        self.engine_stats: ServingStats | None = None
         self.registry.register(_EngineCollector(self))
 
     def request(self) -> RequestMetricsRecorder:
         return RequestMetricsRecorder(self)
 
-    async def render(self, engine: Any) -> bytes:
+    async def render(self, engine: EngineClient) -> bytes:
         self.engine_stats = await engine.stats()
         return generate_latest(self.registry)
 
@@ -76,7 +79,7 @@ class _EngineCollector:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[Metric]:
         stats = self.m.engine_stats
         if stats is None:
             return
@@ -97,9 +100,9 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
-        yield from self._spec_decode(getattr(engine, "spec_decode", None), label)
+        yield from self._spec_decode(engine.spec_decode, label)
 
-    def _spec_decode(self, spec: Any, label: list[str]) -> Any:
+    def _spec_decode(self, spec: SpecDecodeStats | None, label: list[str]) -> Iterator[Metric]:
         """Speculative decoding counters; absent (not zero) when the engine does not speculate."""
         if spec is None:
             return

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cadenza.async_llm import EngineDeadError, RequestFailedError
+from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.observe import Observation

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from cadenza.async_llm import EngineDeadError, RequestFailedError
+from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import protocol as p
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.state import PreparedResponse, new_id, presented_key, tenant_salt

@@ -27,10 +27,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cadenza.async_llm import AsyncLLM
+from cadenza.actors.async_llm import AsyncLLM
+from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
 from cadenza.gateway.settings import GatewaySettings
-from cadenza.models.loader import DEFAULT_MODEL
 
 REPLICA_HEADER = "x-cadenza-replica"
 API_KEY_ENV = "CADENZA_API_KEY"

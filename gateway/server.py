@@ -14,6 +14,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from cadenza.engine_args import engine_kwargs
+from cadenza.engine_client import EngineClient
 from cadenza.gateway.app import build_app
 from cadenza.gateway.header_timeout import head_deadline_protocol
 from cadenza.gateway.settings import GatewaySettings
@@ -28,6 +29,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="step the engine in the server's own process, without Ray (one worker: TP = PP = 1)",
+    )
     defaults = GatewaySettings()
     for f in dataclasses.fields(GatewaySettings):
         flag = "--" + f.name.replace("_", "-")
@@ -54,21 +60,30 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 def run_server(args: argparse.Namespace) -> None:
     settings = settings_from_args(args)  # first: a bad flag is one line, before any engine loads
 
-    from cadenza.async_llm import AsyncLLM
-
-    engine = AsyncLLM(
-        args.model,
-        **engine_kwargs(args),
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        num_blocks=args.num_blocks,
-    )
+    engine = _engine_client(args)
     app = build_app(engine, args.served_model_name or args.model, settings)
     print(f"cadenza: serving {args.model} on http://{settings.host}:{settings.port}/", flush=True)
     try:
         serve(app, settings)
     finally:
         engine.shutdown()
+
+
+def _engine_client(args: argparse.Namespace) -> EngineClient:
+    """The engine behind the gateway: actors (AsyncLLM) unless --in-process; imported late, so a
+    bad flag is reported before Ray or torch loads."""
+    kwargs = engine_kwargs(args) | dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        num_blocks=args.num_blocks,
+    )
+    if args.in_process:
+        from cadenza.actors.inprocess_client import InProcessClient
+
+        return InProcessClient(args.model, **kwargs)
+    from cadenza.actors.async_llm import AsyncLLM
+
+    return AsyncLLM(args.model, **kwargs)
 
 
 def uvicorn_config(app: Starlette, settings: GatewaySettings) -> uvicorn.Config:

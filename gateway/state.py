@@ -8,8 +8,8 @@ import hashlib
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from cadenza.engine_client import EngineClient
 from cadenza.gateway.admission import Admission
 from cadenza.gateway.drain import Drain
 from cadenza.gateway.metrics import Metrics
@@ -39,8 +39,8 @@ class PreparedResponse:
 
 
 class GatewayState:
-    def __init__(self, engine: Any, model_name: str, settings: GatewaySettings, tracing: Tracing) -> None:
-        self.engine = engine  # cadenza.AsyncLLM, or anything with its generate/stats/check_health
+    def __init__(self, engine: EngineClient, model_name: str, settings: GatewaySettings, tracing: Tracing) -> None:
+        self.engine = engine
         self.model_name = model_name
         self.settings = settings
         self.admission = Admission(settings)
@@ -50,7 +50,7 @@ class GatewayState:
         self.metrics = Metrics(model_name)
         self.tracing = tracing
         # Speculation on: streams and usage report how many drafts the model accepted.
-        self.speculative = getattr(getattr(engine, "config", None), "speculative_config", None) is not None
+        self.speculative = engine.speculative
 
     def generate(
         self,
@@ -60,23 +60,18 @@ class GatewayState:
         stream: bool,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's deltas, paced when stream_pacing is set and the client reads a stream
-        (`pace` and `cache_salt` are passed only when set, so engines without them, such as
-        test doubles, still fit)."""
-        extra: dict[str, Any] = {"pace": True} if stream and self.settings.stream_pacing else {}
-        if cache_salt is not None:
-            extra["cache_salt"] = cache_salt
-        stream = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id, **extra)
-        return self.drain.track(stream)
+        """The engine's deltas, paced when stream_pacing is set and the client reads a stream."""
+        pace = stream and self.settings.stream_pacing
+        deltas = self.engine.generate(
+            {"prompt_token_ids": prompt_ids}, params, request_id=request_id, pace=pace, cache_salt=cache_salt
+        )
+        return self.drain.track(deltas)
 
     def check(self, params: SamplingParams, prompt_ids: list[int], param: str) -> None:
         """The engine's own request checks (cadenza.request_limits), run here so a bad value is a
         400 / `error` event before any work, with the message the engine would give."""
-        limits = getattr(self.engine, "request_limits", None)  # test doubles have none
-        if limits is None:
-            return
         try:
-            check_request(params, prompt_ids, limits)
+            check_request(params, prompt_ids, self.engine.request_limits)
         except ValueError as e:
             raise RequestError(str(e), "invalid_request", param) from None
 

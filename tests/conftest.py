@@ -105,7 +105,7 @@ def ray_cluster() -> None:
     starts its own: listening on loopback only."""
     import ray
 
-    from cadenza.local_ray import init_local_ray
+    from cadenza.actors.local_ray import init_local_ray
 
     init_local_ray(8, logging_level="error")
     yield

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from cadenza import AsyncLLM, SamplingParams
-from cadenza.async_llm import EngineDeadError, RequestFailedError
+from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.models.loader import DEFAULT_MODEL
 
 NUM_BLOCKS = 1024

@@ -181,7 +181,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add_family(
         self, stem: int, cut: int, tail: list[int], max_tokens: int, n: int, priority: int, salt: str | None
     ) -> None:
-        """n > 1 as cadenza.prompts.fan_out makes it: child 0 leads, the others follow it."""
+        """n > 1 as cadenza.actors.prompts.fan_out makes it: child 0 leads, the others follow it."""
         prompt, params = self._fitting(self._prompt(stem, cut, tail), max_tokens, ignore_eos=False)
         base = f"r{self.arrivals}"
         for i in range(n):

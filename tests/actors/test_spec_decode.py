@@ -145,7 +145,7 @@ def test_bad_speculative_config_is_a_clear_error(tiny_model) -> None:
 def test_smollm_greedy_identical_with_speculation(smollm, smollm_path: Path) -> None:
     """The real model on input-grounded chats (where n-gram drafts are accepted), one at a
     time and as one batch; the draft model is SmolLM2 cut to its first 4 layers."""
-    from cadenza.bench_spec import prompts
+    from cadenza.benchmarks.spec import prompts
 
     chats = prompts()[::3]
     params = SamplingParams(temperature=0, max_tokens=48)

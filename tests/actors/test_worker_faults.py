@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from cadenza import LLM, AsyncLLM, SamplingParams
-from cadenza import async_llm as async_llm_module
-from cadenza.async_llm import EngineDeadError, RequestFailedError
+from cadenza.actors import async_llm as async_llm_module
+from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.messages import EngineRequest
 from tests.actors.faulty_engine import BREAK_FOR_GOOD, BREAK_SCHEDULER, SchedulerBreaksEngine
 

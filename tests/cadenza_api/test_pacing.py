@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from cadenza.actors.pacing import Pacer, StepClock, accepted_per_token, split_output
 from cadenza.messages import EngineOutput, TokenLogprobs
-from cadenza.pacing import Pacer, StepClock, accepted_per_token, split_output
 
 
 def _step(tokens: list[int], accepted: int, finish: str | None = None) -> EngineOutput:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from cadenza import SamplingParams
+from cadenza.actors.output_processor import SequenceState
 from cadenza.messages import EngineOutput
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
 from cadenza.models.tokenizer import Tokenizer
-from cadenza.output_processor import SequenceState
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     import ray._private.services as services
 
     services.find_gcs_addresses = functools.cache(frozenset)  # no other Ray instance is seen
-    from cadenza.local_ray import ensure_ray
+    from cadenza.actors.local_ray import ensure_ray
 
     ensure_ray(1)
     try:

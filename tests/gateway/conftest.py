@@ -25,6 +25,7 @@ import uvicorn
 from cadenza.gateway.server import uvicorn_config
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
 from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from cadenza.request_limits import RequestLimits
 
 API_KEY = "test-key"
 MAX_FRAME_BYTES = 65536
@@ -90,13 +91,16 @@ def serve_in_thread(app: Any, port: int) -> Iterator[None]:
 
 
 class PacedEngine:
-    """Emits token 42 every `pace` seconds until max_tokens: an engine-shaped clock."""
+    """Emits token 42 every `pace` seconds until max_tokens: an engine-shaped clock (an
+    EngineClient, cadenza.engine_client)."""
 
     max_model_len = 2048
+    speculative = False
 
     def __init__(self, pace: float) -> None:
         self.pace = pace
         self.tokenizer = load_tokenizer(*read_model(DEFAULT_MODEL))
+        self.request_limits = RequestLimits(self.tokenizer.vocab_size, self.max_model_len)
         self.running = 0
         self.problem: str | None = None
 
@@ -128,7 +132,7 @@ def launch_server(args: list[str], log_name: str) -> Iterator[Server]:
     """A real `cadenza serve` subprocess with these flags, once /health says ok; it joins the
     session's Ray instance, so only the model load is paid."""
     port = free_port()
-    cmd = [sys.executable, "-m", "cadenza.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "cadenza.cli.main", "serve", "--port", str(port), *args]
     ARTIFACTS.mkdir(exist_ok=True)
     log = open(ARTIFACTS / log_name, "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import ARTIFACTS, PacedEngine, free_port, serve_in_thread
 
-from cadenza.cli import main
+from cadenza.cli.main import main
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.models.loader import DEFAULT_MODEL

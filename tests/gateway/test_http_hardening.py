@@ -25,7 +25,7 @@ import uvicorn
 import websockets
 from conftest import PacedEngine, free_port, serve_in_thread
 
-from cadenza.cli import build_parser
+from cadenza.cli.main import build_parser
 from cadenza.gateway.app import build_app
 from cadenza.gateway.header_timeout import H11HeadDeadline, head_deadline_protocol
 from cadenza.gateway.server import GatewayServer, settings_from_args, uvicorn_config
@@ -283,7 +283,7 @@ def test_the_chat_page_takes_the_key_once_and_keeps_it_out_of_the_address(port: 
 
 def test_an_empty_api_key_is_refused_at_start() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cadenza.cli", "serve", "--api-key", "", "--port", str(free_port())],
+        [sys.executable, "-m", "cadenza.cli.main", "serve", "--api-key", "", "--port", str(free_port())],
         capture_output=True,
         text=True,
         timeout=GUARD_S * 3,

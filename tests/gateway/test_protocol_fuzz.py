@@ -24,18 +24,17 @@ from hypothesis import strategies as st
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
-from cadenza.request_limits import RequestLimits
 
 MODEL = "SmolLM2-135M-Instruct"
 EXAMPLES = 150
 
 
 class LimitedEngine(PacedEngine):
-    """PacedEngine with the model's request limits, so the gateway runs the engine's checks."""
+    """PacedEngine with the model's request limits (every PacedEngine has them now), so the
+    gateway runs the engine's checks."""
 
     def __init__(self) -> None:
         super().__init__(pace=0.0005)
-        self.request_limits = RequestLimits(self.tokenizer.vocab_size, self.max_model_len)
 
 
 @pytest.fixture(scope="module")

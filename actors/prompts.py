@@ -4,17 +4,15 @@ with n > 1 out into n engine sequences that share the prompt's KV."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
+from cadenza.actors.output_processor import SequenceState
+from cadenza.engine_client import Prompt
 from cadenza.messages import EngineRequest
 from cadenza.models.tokenizer import Tokenizer
-from cadenza.output_processor import SequenceState
 from cadenza.outputs import RequestOutput
 from cadenza.sampling_params import SamplingParams
-
-Prompt = str | dict[str, Any]
 
 
 @dataclass

@@ -15,7 +15,7 @@ import random
 import statistics
 from typing import Any
 
-from cadenza.bench_report import report
+from cadenza.benchmarks.report import report
 from cadenza.outputs import RequestMetrics
 from cadenza.sampling_params import SamplingParams
 
@@ -59,7 +59,7 @@ async def _through_actors(llm: Any, prompts: list[list[int]], steps: int) -> flo
 def compare(args: argparse.Namespace, offline: Any, prompts: dict[int, list[list[int]]], compiled: bool) -> dict:
     """Alternate in-process and actor runs, `repeats` times each, and keep the medians: this
     machine's timing noise is larger than the effect being measured."""
-    from cadenza.async_llm import AsyncLLM
+    from cadenza.actors.async_llm import AsyncLLM
 
     llm = AsyncLLM(args.model, num_blocks=args.num_blocks, use_compiled_graph=compiled)
     times: dict[int, dict[str, list[float]]] = {b: {"in_process": [], "actors": []} for b in prompts}
@@ -81,7 +81,7 @@ def compare(args: argparse.Namespace, offline: Any, prompts: dict[int, list[list
 
 
 def run_actor_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from cadenza.llm import LLM
+    from cadenza.actors.llm import LLM
     from cadenza.models.loader import read_model
 
     _, cfg = read_model(args.model)

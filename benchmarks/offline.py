@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from cadenza.bench_report import report
+from cadenza.benchmarks.report import report
+from cadenza.engine_args import engine_kwargs
 from cadenza.models.loader import resolve_model_path
 from cadenza.sampling_params import SamplingParams
 
@@ -175,7 +176,7 @@ def hf_single_stream(model: torch.nn.Module, single: tuple[list[int], int]) -> f
 
 
 def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from cadenza.cli import _make_llm
+    from cadenza.actors.llm import LLM  # late: `cadenza bench offline --help` stays fast
 
     torch.manual_seed(args.seed)
     machine = {
@@ -183,7 +184,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         "fp32_gemm_gflops": measure_gemm_gflops(),
         "mem_read_gbps": measure_read_gbps(),
     }
-    llm = _make_llm(args)
+    llm = LLM(args.model, **engine_kwargs(args))
     model = llm.engine.runner.model
     weight_bytes = model.weight_bytes()
     machine |= {"weight_bytes": weight_bytes, "decode_bound_tok_s": machine["mem_read_gbps"] * 1e9 / weight_bytes}

@@ -8,13 +8,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cadenza.actors.engine_core import EngineCore, EngineStats
-from cadenza.config import EngineConfig
-from cadenza.models.loader import DEFAULT_MODEL, load_model
+from cadenza.actors.engine_core import EngineCore
+from cadenza.actors.prompts import PendingRequest, fan_out, require_tokenizer, tokenize
+from cadenza.config import DEFAULT_MODEL, EngineConfig
+from cadenza.engine_client import Prompt
+from cadenza.models.loader import load_model
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.outputs import RequestOutput
-from cadenza.prompts import PendingRequest, Prompt, fan_out, require_tokenizer, tokenize
 from cadenza.sampling_params import SamplingParams
+from cadenza.stats import EngineStats
 
 Messages = list[dict[str, Any]]
 

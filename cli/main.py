@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from cadenza.config import DEFAULT_MODEL
 from cadenza.engine_args import add_engine_args, engine_kwargs
-from cadenza.models.loader import DEFAULT_MODEL
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -19,7 +19,7 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
 
 
 def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - cadenza.LLM, imported late for a fast --help
-    from cadenza.llm import LLM
+    from cadenza.actors.llm import LLM
 
     return LLM(args.model, **engine_kwargs(args))
 
@@ -77,21 +77,21 @@ def _read_line() -> str | None:
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from cadenza.bench_offline import run_offline_bench
+    from cadenza.benchmarks.offline import run_offline_bench
 
     run_offline_bench(args)
     return 0
 
 
 def cmd_bench_actors(args: argparse.Namespace) -> int:
-    from cadenza.bench_actors import run_actor_bench
+    from cadenza.benchmarks.actors import run_actor_bench
 
     run_actor_bench(args)
     return 0
 
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
-    from cadenza.bench_spec import run_spec_bench
+    from cadenza.benchmarks.spec import run_spec_bench
 
     run_spec_bench(args, engine_kwargs(args))
     return 0
@@ -105,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from cadenza.bench_serve import run_serve_bench
+    from cadenza.benchmarks.serve import run_serve_bench
 
     run_serve_bench(args)
     return 0
@@ -135,25 +135,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline = bench_sub.add_parser("offline", help="offline throughput, TTFT/TPOT and the machine's limits")
     add_engine_args(offline)
-    from cadenza.bench_offline import add_offline_args
+    from cadenza.benchmarks.offline import add_offline_args
 
     add_offline_args(offline)
     offline.set_defaults(func=cmd_bench_offline)
     actors = bench_sub.add_parser("actors", help="decode step time through the actors vs in-process")
     actors.add_argument("--model", default=DEFAULT_MODEL)
     actors.add_argument("--num-blocks", type=int, default=512)
-    from cadenza.bench_actors import add_actor_args
+    from cadenza.benchmarks.actors import add_actor_args
 
     add_actor_args(actors)
     actors.set_defaults(func=cmd_bench_actors)
     serve_bench = bench_sub.add_parser("serve", help="TTFT / ITL / TPOT and throughput of a running server")
-    from cadenza.bench_serve import add_serve_bench_args
+    from cadenza.benchmarks.serve import add_serve_bench_args
 
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
     spec = bench_sub.add_parser("spec", help="single-stream decode with n-gram / draft-model speculation vs none")
     add_engine_args(spec)
-    from cadenza.bench_spec import add_spec_args
+    from cadenza.benchmarks.spec import add_spec_args
 
     add_spec_args(spec)
     spec.set_defaults(func=cmd_bench_spec)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadenza.bench_report import report
+from cadenza.benchmarks.report import report
 
 WORDS = "time river light stone music garden window story number cloud paper summer field voice bridge".split()
 

@@ -13,7 +13,7 @@ import argparse
 import statistics
 from typing import Any
 
-from cadenza.bench_report import report
+from cadenza.benchmarks.report import report
 from cadenza.outputs import RequestOutput
 from cadenza.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ def spec_summary(llm: Any) -> dict[str, Any]:
 
 
 def run_spec_bench(args: argparse.Namespace, engine_args: dict[str, Any]) -> dict[str, Any]:
-    from cadenza.llm import LLM
+    from cadenza.actors.llm import LLM
 
     k = args.num_speculative_tokens
     configs: dict[str, dict | None] = {"baseline": None, "ngram": {"method": "ngram", "num_speculative_tokens": k}}

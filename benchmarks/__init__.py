@@ -1,0 +1,1 @@
+"""Benchmarks printing JSON (`cadenza bench ...`) and the GPU acceptance check."""

@@ -1,0 +1,73 @@
+"""EngineClient: what the gateway (and anything else that serves requests) needs of an engine.
+
+Two implementations: `cadenza.actors.async_llm.AsyncLLM` (the engine and its workers are Ray
+actors) and `cadenza.actors.inprocess_client.InProcessClient` (the engine steps in this
+process, no Ray). The gateway is typed against this Protocol only, so it never imports the
+engine, nor Ray with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from cadenza.outputs import RequestOutput
+from cadenza.request_limits import RequestLimits
+from cadenza.sampling_params import SamplingParams
+from cadenza.stats import ServingStats
+
+# A string, {"prompt": str} (a rendered chat template: {"prompt": str, "chat": True}) or
+# {"prompt_token_ids": [...]}.
+Prompt = str | dict[str, Any]
+
+
+class ChatTokenizer(Protocol):
+    """The tokenizer calls the gateway makes (cadenza.models.tokenizer.Tokenizer has them)."""
+
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class EngineClient(Protocol):
+    """max_model_len: the context the engine serves; request_limits: what one request may ask
+    (the gateway runs the engine's own checks on them before any work); speculative: whether
+    the engine speculates (streams then report accepted drafts)."""
+
+    max_model_len: int
+    request_limits: RequestLimits
+
+    @property
+    def speculative(self) -> bool: ...
+
+    def get_tokenizer(self) -> ChatTokenizer: ...
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        pace: bool = False,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request; leaving the iteration early aborts it. Raises ValueError for a
+        request the engine refuses, cadenza.errors.RequestFailedError when the engine ends it
+        with an error, cadenza.errors.EngineDeadError when the engine is gone."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stats(self) -> ServingStats: ...
+
+    async def check_health(self) -> None:
+        """Raises (EngineDeadError) when the engine cannot serve."""
+        ...
+
+    def shutdown(self) -> None: ...

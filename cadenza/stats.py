@@ -1,0 +1,58 @@
+"""What an engine reports about itself (`/stats`, `/metrics`, benchmarks): msgspec Structs, so
+they cross actor boundaries as they are and the gateway reads them without the engine."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class BlockPoolStats(msgspec.Struct):
+    """The KV block pool and its prefix cache since start."""
+
+    num_blocks: int
+    num_free_blocks: int
+    usage: float  # fraction of blocks referenced by some request
+    queries: int  # prompt tokens looked up in the prefix cache
+    hits: int  # of those, tokens found
+    evictions: int  # cached blocks whose hash was dropped for reuse
+
+
+class SpecDecodeStats(msgspec.Struct):
+    """Speculative decoding since start: verification steps, drafts and accepted drafts,
+    and accepted_per_position[j]: how often the draft at position j was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        grow = num_draft_tokens - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(grow, 0)
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+
+class EngineStats(msgspec.Struct):
+    """The scheduler and its KV block pool."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_cache: BlockPoolStats
+    spec_decode: SpecDecodeStats | None = None
+
+
+class ServingStats(msgspec.Struct, kw_only=True):
+    """What an engine client's stats() answers: the engine's own, and how it runs."""
+
+    engine: EngineStats
+    num_workers: int  # worker actors (0 when the engine runs in the caller's process)
+    worker_pids: list[int]
+    num_worker_restarts: int
+    num_steps: int
+    compiled_graph: bool  # steps run as a Ray Compiled Graph (else plain actor calls)
+    engine_pid: int

@@ -1,0 +1,1 @@
+"""The `cadenza` command: generate, chat, serve and bench (cli.main)."""
