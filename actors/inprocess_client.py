@@ -45,8 +45,8 @@ class InProcessClient(StreamingClient):
         self.core = EngineCore.in_process(self.config, loaded)
         self.max_model_len = self.core.max_model_len
         self.request_limits = self.core.limits
-        self._lock: asyncio.Lock | None = None
-        self._has_work: asyncio.Event | None = None
+        # Made on first use on each event loop (asyncio primitives belong to one loop).
+        self._sync: tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Event] | None = None
         self._steps = 0
 
     async def stats(self) -> ServingStats:
@@ -108,15 +108,17 @@ class InProcessClient(StreamingClient):
         self._steps += 1
         return outputs
 
+    def _loop_sync(self) -> tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Event]:
+        loop = asyncio.get_running_loop()
+        if self._sync is None or self._sync[0] is not loop:
+            self._sync = (loop, asyncio.Lock(), asyncio.Event())
+        return self._sync
+
     def _loop_lock(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
+        return self._loop_sync()[1]
 
     def _work_event(self) -> asyncio.Event:
-        if self._has_work is None:
-            self._has_work = asyncio.Event()
-        return self._has_work
+        return self._loop_sync()[2]
 
     def _wake(self) -> None:
         self._work_event().set()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -122,3 +123,11 @@ def test_the_serve_app_takes_the_key_from_the_environment(monkeypatch: pytest.Mo
     monkeypatch.setenv(API_KEY_ENV, "  ")
     with pytest.raises(ValueError, match="api_key must not be empty"):  # set but blank: refuse, not open
         GatewaySettings(**gateway_with_env_key({}))
+
+
+def test_the_image_copies_every_package_folder() -> None:
+    """`pip install .` in the image builds from what was copied: a package folder left out
+    (cli/ once) installs a `cadenza` command that cannot import its own entry point."""
+    setuptools = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    copied = {args.split()[0] for instruction, args in _dockerfile() if instruction == "COPY"}
+    assert set(setuptools["package-dir"].values()) <= copied
