@@ -19,7 +19,7 @@ from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, SchedulerOutput
 from cadenza.models.config import ModelConfig
 from cadenza.models.loader import LoadedModel
-from cadenza.request_limits import check_request
+from cadenza.request_limits import check_request, max_tokens_to_fill
 from cadenza.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -89,26 +89,15 @@ class EngineCore:
         if self.config.scheduling_policy == "fcfs" and req.priority:
             req = msgspec.structs.replace(req, priority=0)
         if req.sampling_params.max_tokens is None:
-            capacity = min(self.max_model_len, self.kv.pool.num_blocks * self.config.block_size)
-            room = capacity - len(req.prompt_token_ids)
-            if room < 1:
-                raise ValueError(
-                    f"the prompt ({len(req.prompt_token_ids)} tokens) leaves no room to generate: the context "
-                    f"and KV pool hold {capacity} tokens"
-                )
+            kv_tokens = self.kv.pool.num_blocks * self.config.block_size
+            room = max_tokens_to_fill(len(req.prompt_token_ids), self.max_model_len, kv_tokens)
             req.sampling_params = msgspec.structs.replace(req.sampling_params, max_tokens=room)
         return req
 
     def _validate(self, req: EngineRequest) -> None:
         prompt = req.prompt_token_ids
-        check_request(req.sampling_params, prompt, self.limits)
-        max_tokens = req.sampling_params.max_tokens
-        if len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"model's context length max_model_len={self.max_model_len}"
-            )
-        blocks = self.kv.blocks_needed(len(prompt) + max_tokens)
+        check_request(req.sampling_params, prompt, self.limits)  # the context included
+        blocks = self.kv.blocks_needed(len(prompt) + req.sampling_params.max_tokens)
         if blocks > self.kv.pool.num_blocks:
             raise ValueError(
                 f"the request needs {blocks} KV blocks but the pool only has {self.kv.pool.num_blocks}; "

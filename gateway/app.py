@@ -25,8 +25,9 @@ from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
 from cadenza.gateway.responses_ws import ResponsesSocket
 from cadenza.gateway.settings import GatewaySettings
-from cadenza.gateway.state import KEY_SUBPROTOCOL, GatewayState, presented_key
+from cadenza.gateway.state import GatewayState
 from cadenza.gateway.tracing import Tracing, provider_from_env
+from cadenza.request_limits import key_subprotocol, offered_subprotocols, presented_key, presented_keys
 
 
 def build_app(
@@ -85,14 +86,12 @@ def build_app(
 
 
 async def handle_socket(ws: WebSocket, state: GatewayState, check_host: bool = True) -> None:
-    offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
-    problem = _handshake_problem(ws, state, offered, check_host)
+    problem = _handshake_problem(ws, state, check_host)
     client = state.admission.client(presented_key(ws.headers), ws.client.host if ws.client else None)
     if problem is None and not state.admission.open_socket(client):
         problem = error_event(f"too many sockets from {client} (max_sockets_per_client)", "too_many_sockets", 429)
         client = None
-    key_protocol = next((p for p in offered if p.startswith(KEY_SUBPROTOCOL)), None)
-    await ws.accept(subprotocol=key_protocol)
+    await ws.accept(subprotocol=key_subprotocol(offered_subprotocols(ws.headers)))
     if problem is not None:  # accept, say why, close: a bare refusal would carry no message
         await ws.send_text(encode({**problem, "sequence_number": 0}).decode())
         await ws.close(code=1008)
@@ -103,7 +102,7 @@ async def handle_socket(ws: WebSocket, state: GatewayState, check_host: bool = T
         state.admission.close_socket(client)
 
 
-def _handshake_problem(ws: WebSocket, state: GatewayState, offered: list[str], check_host: bool) -> dict | None:
+def _handshake_problem(ws: WebSocket, state: GatewayState, check_host: bool) -> dict | None:
     settings = state.settings
     if state.drain.draining:
         return error_event("the server is shutting down; connect again shortly", "server_shutting_down", 503)
@@ -113,9 +112,6 @@ def _handshake_problem(ws: WebSocket, state: GatewayState, offered: list[str], c
     origin = ws.headers.get("origin")
     if not settings.origin_allowed(origin):
         return error_event(f"origin {origin!r} is not allowed", "origin_not_allowed", 403)
-    auth = ws.headers.get("authorization", "")
-    candidates = [auth.removeprefix("Bearer ").strip()] if auth.startswith("Bearer ") else []
-    candidates += [p.removeprefix(KEY_SUBPROTOCOL) for p in offered if p.startswith(KEY_SUBPROTOCOL)]
-    if not settings.key_accepts(candidates):
+    if not settings.key_accepts(presented_keys(ws.headers)):  # the bearer key or any key subprotocol
         return error_event("missing or wrong API key", "invalid_api_key", 401)
     return None

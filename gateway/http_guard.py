@@ -27,6 +27,7 @@ from cadenza.gateway.drain import Drain
 from cadenza.gateway.json_depth import check_json_depth
 from cadenza.gateway.protocol import error_object
 from cadenza.gateway.settings import GatewaySettings
+from cadenza.request_limits import presented_keys
 
 # The chat page holds no data (with a key set it is served without even the model name): a
 # browser's first load cannot send a header, so the page takes the key from its address and
@@ -51,11 +52,6 @@ class BodyError(Exception):
 def error_response(status: int, message: str, code: str, param: str | None = None, **headers: str) -> JSONResponse:
     body = {"error": error_object(message, code, status, param)}
     return JSONResponse(body, status_code=status, headers=headers or None)
-
-
-def bearer_key(headers: Headers) -> list[str]:
-    auth = headers.get("authorization", "")
-    return [auth.removeprefix("Bearer ").strip()] if auth.startswith("Bearer ") else []
 
 
 def host_refusal(host: str) -> str:
@@ -89,7 +85,7 @@ class HttpGuard:
         if not settings.origin_allowed(origin):
             message = f"origin {origin!r} is not allowed; start the server with --allowed-origins {origin} to allow it"
             return error_response(403, message, "origin_not_allowed")
-        if path not in PUBLIC_PATHS and not settings.key_accepts(bearer_key(headers)):
+        if path not in PUBLIC_PATHS and not settings.key_accepts(presented_keys(headers, subprotocols=False)):
             return error_response(401, "missing or wrong API key", "invalid_api_key")
         return None
 

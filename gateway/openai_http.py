@@ -24,8 +24,10 @@ from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
-from cadenza.gateway.state import GatewayState, RequestError, new_id, presented_key, tenant_salt
+from cadenza.gateway.state import GatewayState, RequestError, new_id, tenant_salt
+from cadenza.gateway.stream_tally import StreamTally
 from cadenza.outputs import RequestOutput
+from cadenza.request_limits import presented_key
 
 Body = ChatCompletionRequest | CompletionRequest
 log = logging.getLogger(__name__)
@@ -64,9 +66,8 @@ class OpenAIHttp:
         run = _Run(self.state, body, chat, prompt_ids, params)
         run.client = client
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
-        run.observation = Observation(
-            self.state.metrics, self.state.tracing, "chat" if chat else "text_completion", request.headers, params
-        )
+        operation = "chat" if chat else "text_completion"
+        run.tally = StreamTally(Observation(self.state.metrics, self.state.tracing, operation, request.headers, params))
         if body.stream:
             return ReleasingStream(run.sse(), run.release)
         try:
@@ -80,9 +81,7 @@ class OpenAIHttp:
 
     def _prepare(self, body: Body, chat: bool) -> tuple[list[int], Any]:
         state = self.state
-        if body.model is not None and body.model != state.model_name:
-            message = f"model {body.model!r} does not exist here; this server serves {state.model_name!r}"
-            raise RequestError(message, "model_not_found", "model")
+        state.check_model(body.model)
         tokenizer = state.tokenizer
         if chat:
             messages = [_chat_message(m) for m in body.messages]
@@ -96,20 +95,12 @@ class OpenAIHttp:
             prompt_ids = tokenizer.encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", "invalid_request", "prompt")
-        room = state.engine.max_model_len - len(prompt_ids)
-        wanted = body.requested_max_tokens
-        if room < 1 or (wanted is not None and wanted > room):
-            raise RequestError(
-                f"the prompt is {len(prompt_ids)} tokens and max_tokens {wanted}; the context is "
-                f"{state.engine.max_model_len} tokens",
-                "context_length_exceeded",
-                "messages" if chat else "prompt",
-            )
-        default = min(state.settings.default_max_output_tokens, room) if chat else min(16, room)
-        params = body.sampling_params(wanted or default, body.num_logprobs)
-        state.check(params, prompt_ids, "messages" if chat else "prompt")
+        prompt = "messages" if chat else "prompt"
+        # OpenAI's defaults when max_tokens is not given: the server's for chat, 16 for completions.
+        default = state.settings.default_max_output_tokens if chat else 16
+        max_tokens = state.max_tokens(len(prompt_ids), body.requested_max_tokens, default, (prompt, "max_tokens"))
+        params = body.sampling_params(max_tokens, body.num_logprobs)
+        state.check(params, prompt_ids, prompt)  # an empty prompt included
         return prompt_ids, params
 
 
@@ -162,39 +153,28 @@ class _Run:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.observation: Observation | None = None
+        self.tally: StreamTally | None = None  # set by the route, with its Observation
         self.cache_salt: str | None = None
         self.client = ""  # whose admission place this run holds
         self.released = False
-        self.reasons: dict[int, str] = {}
-        self.text = ""
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
         stream = self.state.generate(self.prompt_ids, self.params, self.id, self.body.stream, self.cache_salt)
-        obs = self.observation
+        tally = self.tally
         try:
             async with contextlib.aclosing(stream):
                 async for delta in stream:
-                    out = delta.outputs[0]
-                    self.completion_tokens += len(out.token_ids)
-                    self.cached_tokens = delta.num_cached_tokens
-                    self.text += out.text if out.index == 0 else ""
-                    if out.finish_reason:
-                        self.reasons[out.index] = out.finish_reason
-                    obs.delta(delta)
+                    tally.add(delta)
                     yield delta
         except asyncio.CancelledError:  # the client went away: the request was aborted
-            obs.finish(self.id, ["abort"], len(self.prompt_ids), self.text)
+            tally.finish(self.id, len(self.prompt_ids), ["abort"])
             raise
         except BaseException as e:
-            obs.fail(e)
+            tally.fail(e)
             raise
         finally:
             self.release()
-        reasons = [self.reasons[i] for i in sorted(self.reasons)]
-        obs.finish(self.id, reasons, len(self.prompt_ids), self.text)
+        tally.finish(self.id, len(self.prompt_ids))
 
     def release(self) -> None:
         """Give the admission place back, once, whichever path ends the run first."""
@@ -203,15 +183,15 @@ class _Run:
             self.state.admission.release(self.client)
 
     def usage(self) -> dict[str, Any]:
-        prompt = len(self.prompt_ids)
+        prompt, completion = len(self.prompt_ids), self.tally.completion_tokens
         usage = {
             "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.tally.cached_tokens},
         }
         if self.state.speculative:  # OpenAI's Predicted Outputs fields, for the model's own drafts
-            spec = self.observation.acceptance()
+            spec = self.tally.observation.acceptance()
             usage["completion_tokens_details"] = {
                 "accepted_prediction_tokens": spec["num_accepted_tokens"],
                 "rejected_prediction_tokens": spec["num_draft_tokens"] - spec["num_accepted_tokens"],
@@ -219,15 +199,12 @@ class _Run:
         return usage
 
     async def whole(self) -> dict[str, Any]:
-        texts: dict[int, str] = {}
-        logprobs: dict[int, list] = {}
-        reasons: dict[int, str | None] = {}
+        logprobs: dict[int, list] = {}  # texts and finish reasons are the tally's
         async for delta in self._deltas():
             out = delta.outputs[0]
-            texts[out.index] = texts.get(out.index, "") + out.text
             logprobs.setdefault(out.index, []).extend(self._logprob_entries(out))
-            reasons[out.index] = out.finish_reason
-        choices = [self._choice(i, texts[i], logprobs[i], reasons[i], final=True) for i in sorted(texts)]
+        texts, reasons = self.tally.texts, self.tally.reasons
+        choices = [self._choice(i, texts[i], logprobs[i], reasons.get(i), final=True) for i in sorted(texts)]
         return self._envelope(choices, usage=self.usage())
 
     async def sse(self) -> AsyncIterator[str]:

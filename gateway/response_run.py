@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import protocol as p
 from cadenza.gateway.observe import Observation
-from cadenza.gateway.state import PreparedResponse, new_id, presented_key, tenant_salt
+from cadenza.gateway.state import PreparedResponse, new_id, tenant_salt
+from cadenza.gateway.stream_tally import StreamTally
+from cadenza.request_limits import presented_key
 
 if TYPE_CHECKING:  # the socket owns its runs; only the types cross back
     from cadenza.gateway.responses_ws import Job, ResponsesSocket
@@ -30,11 +32,9 @@ class ResponseRun:
         self.sid = job.create.stream_id
         self.item_id = new_id("msg")
         self.created_at = p.now()
-        self.text = ""
-        self.cached_tokens = 0
         state = socket.state
-        self.observation = Observation(state.metrics, state.tracing, "chat", socket.ws.headers, prepared.params)
-        self.observation.span.messages(prepared.messages)
+        self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", socket.ws.headers, prepared.params))
+        self.tally.observation.span.messages(prepared.messages)
 
     def response(self, status: str, output: list[p.Json], **fields: Any) -> p.Json:
         r = p.response_object(
@@ -50,11 +50,10 @@ class ResponseRun:
         try:
             finish = await self.open_and_stream(item)
             self.job.finishing = True
-            prompt_tokens = len(self.prepared.prompt_ids)
-            self.observation.finish(self.prepared.response_id, [finish], prompt_tokens, self.text)
+            self.tally.finish(self.prepared.response_id, len(self.prepared.prompt_ids), [finish])
             await self.finish(finish, item)
         except Exception as e:  # the engine, a double, our own code: it ends this response only
-            self.observation.fail(e)
+            self.tally.fail(e)
             await self.fail(e)
 
     async def open_and_stream(self, item: p.Json) -> str:
@@ -72,17 +71,13 @@ class ResponseRun:
 
     async def stream(self, item: p.Json) -> str:
         state = self.socket.state
-        finish = "stop"
         salt = tenant_salt(presented_key(self.socket.ws.headers), self.job.create.cache_salt)
         prepared = self.prepared
         stream = state.generate(prepared.prompt_ids, prepared.params, prepared.response_id, True, salt)
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
-                out = delta.outputs[0]
-                self.observation.delta(delta)
-                self.cached_tokens = delta.num_cached_tokens
+                out = self.tally.add(delta)
                 if out.text or out.token_ids:
-                    self.text += out.text
                     extras: p.Json = {"token_ids": out.token_ids}
                     if state.speculative:  # how many of these tokens were drafts the model accepted
                         extras["accepted_tokens"] = out.num_accepted_tokens
@@ -97,24 +92,23 @@ class ResponseRun:
                             p.EXTRA_KEY: extras,
                         }
                     )
-                finish = out.finish_reason or finish
-        return finish
+        return self.tally.reasons.get(0, "stop")  # one sequence: the websocket has no n
 
     async def finish(self, finish: str, item: p.Json) -> None:
         """Terminal events; runs also after a cancel or steer (the socket may still be open)."""
-        complete = finish == "stop"
-        await self.emit({"type": "response.output_text.done", **item, "text": self.text, "logprobs": []})
-        await self.emit({"type": "response.content_part.done", **item, "part": p.text_part(self.text)})
+        complete, text = finish == "stop", self.tally.text
+        await self.emit({"type": "response.output_text.done", **item, "text": text, "logprobs": []})
+        await self.emit({"type": "response.content_part.done", **item, "part": p.text_part(text)})
         item_status = "completed" if complete else "incomplete"
-        message = p.message_item(self.item_id, self.text, item_status)
+        message = p.message_item(self.item_id, text, item_status)
         await self.emit({"type": "response.output_item.done", "output_index": 0, "item": message})
         self.socket.state.store.put(
-            self.prepared.response_id, self.prepared.messages + [{"role": "assistant", "content": self.text}]
+            self.prepared.response_id, self.prepared.messages + [{"role": "assistant", "content": text}]
         )
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
         status = "completed" if complete else ("cancelled" if finish == "cancelled" else "incomplete")
         fields = {
-            "usage": p.usage(len(self.prepared.prompt_ids), self.cached_tokens, self.observation.output_tokens),
+            "usage": p.usage(len(self.prepared.prompt_ids), self.tally.cached_tokens, self.tally.completion_tokens),
             "incomplete_details": {"reason": reason} if reason else None,
             "completed_at": int(p.now()) if complete else None,
             p.EXTRA_KEY: self.timings(),
@@ -135,13 +129,13 @@ class ResponseRun:
     def timings(self) -> p.Json:
         """From the observation, which saw the same deltas (one clock for metrics and extras),
         with the speculative acceptance when the engine speculates."""
-        obs, tokens = self.observation, self.observation.output_tokens
+        obs, tokens = self.tally.observation, self.tally.completion_tokens
         first = obs.first_token_at
         decode = time.time() - first if first else 0.0
         rate = (tokens - 1) / decode if decode > 0 and tokens > 1 else None
         timings = {
             "ttft_s": None if first is None else first - obs.arrival,
             "tokens_per_s": rate,
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": self.tally.cached_tokens,
         }
         return {**timings, **obs.acceptance()} if self.socket.state.speculative else timings

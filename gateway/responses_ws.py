@@ -26,7 +26,8 @@ from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.json_depth import check_json_depth
 from cadenza.gateway.response_run import ResponseRun
-from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id, presented_key
+from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id
+from cadenza.request_limits import presented_key
 
 log = logging.getLogger(__name__)
 Refusal = tuple[str, str]  # (code, message)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cadenza.engine_client import EngineClient
@@ -18,7 +18,14 @@ from cadenza.gateway.response_store import Message, ResponseStore
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.tracing import Tracing
 from cadenza.outputs import RequestOutput
-from cadenza.request_limits import check_request
+from cadenza.request_limits import (
+    TERMS,
+    ContextLengthError,
+    UnknownModelError,
+    check_model,
+    check_request,
+    max_tokens_or_default,
+)
 from cadenza.sampling_params import SamplingParams
 
 
@@ -72,6 +79,8 @@ class GatewayState:
         400 / `error` event before any work, with the message the engine would give."""
         try:
             check_request(params, prompt_ids, self.engine.request_limits)
+        except ContextLengthError as e:  # the callers check the context first, in their own terms
+            raise RequestError(str(e), "context_length_exceeded", param) from None
         except ValueError as e:
             raise RequestError(str(e), "invalid_request", param) from None
 
@@ -79,12 +88,7 @@ class GatewayState:
         """Runs after admission. The chat template and the tokenizer run in a worker thread: a
         long conversation takes them many milliseconds, which on the loop would stall every
         socket. The store and the checks stay on the loop (the store is not thread-safe)."""
-        if create.model is not None and create.model != self.model_name:
-            raise RequestError(
-                f"model {create.model!r} is not served here; this server serves {self.model_name!r}",
-                "model_not_found",
-                "model",
-            )
+        self.check_model(create.model)
         try:
             new = input_messages(create.input)
         except ValueError as e:
@@ -117,25 +121,31 @@ class GatewayState:
             )
         return list(stored.messages)
 
+    def check_model(self, requested: str | None) -> None:
+        try:
+            check_model(requested, self.model_name)
+        except UnknownModelError as e:
+            raise RequestError(str(e), "model_not_found", "model") from None
+
+    def max_tokens(
+        self, prompt_len: int, asked: int | None, default: int, params: tuple[str, str], terms: tuple[str, str] = TERMS
+    ) -> int:
+        """max_tokens for a request: as asked once it fits the context, else `default` capped by
+        the room left. params / terms: this API's names of (the prompt, max_tokens) as error
+        param / in the message."""
+        try:
+            return max_tokens_or_default(prompt_len, asked, self.engine.max_model_len, default, terms)
+        except ContextLengthError as e:
+            param = params[0] if e.field == "prompt" else params[1]
+            raise RequestError(str(e), "context_length_exceeded", param) from None
+
     def _params(self, create: ResponseCreate, prompt_len: int) -> SamplingParams:
-        context = self.engine.max_model_len
-        room = context - prompt_len
-        if room < 1:
-            raise RequestError(
-                f"the input is {prompt_len} tokens; this model's context is {context} tokens",
-                "context_length_exceeded",
-                "input",
-            )
-        if create.max_output_tokens is not None and create.max_output_tokens > room:
-            raise RequestError(
-                f"input ({prompt_len} tokens) plus max_output_tokens ({create.max_output_tokens}) exceeds "
-                f"the context of {context} tokens",
-                "context_length_exceeded",
-                "max_output_tokens",
-            )
+        default = self.settings.default_max_output_tokens
+        names = ("input", "max_output_tokens")
+        max_tokens = self.max_tokens(prompt_len, create.max_output_tokens, default, names, names)
         try:
             params = SamplingParams(
-                max_tokens=create.max_output_tokens or min(self.settings.default_max_output_tokens, room),
+                max_tokens=max_tokens,
                 temperature=1.0 if create.temperature is None else create.temperature,
                 top_p=1.0 if create.top_p is None else create.top_p,
                 logprobs=create.top_logprobs,
@@ -143,20 +153,6 @@ class GatewayState:
         except ValueError as e:
             raise RequestError(str(e), "invalid_request") from None
         return params
-
-
-# Browsers cannot set headers on a websocket; they may offer the key as this subprotocol.
-KEY_SUBPROTOCOL = "openai-insecure-api-key."
-
-
-def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The API key a client sent: `Authorization: Bearer <key>`, else (websockets) the
-    `openai-insecure-api-key.<key>` subprotocol."""
-    auth = headers.get("authorization", "")
-    if auth.startswith("Bearer "):
-        return auth.removeprefix("Bearer ").strip()
-    offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
-    return next((p.removeprefix(KEY_SUBPROTOCOL) for p in offered if p.startswith(KEY_SUBPROTOCOL)), None)
 
 
 def tenant_salt(api_key: str | None, cache_salt: str | None) -> str | None:

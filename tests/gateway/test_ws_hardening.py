@@ -43,8 +43,8 @@ class Engine(PacedEngine):
         self.fail_next = 0  # this many generate calls raise a plain RuntimeError
 
     async def generate(
-        self, prompt: dict, params: Any, request_id: str, cache_salt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+        self, prompt: dict, params: Any, request_id: str, cache_salt: str | None = None, **_: Any
+    ) -> AsyncIterator[RequestOutput]:  # **_: pace, which this double ignores
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("the engine double failed on cue")
