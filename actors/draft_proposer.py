@@ -24,7 +24,7 @@ class DraftModelProposer:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
-        model.prepare_cpu_paths()
+        model.prepare_kernels()
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         self.computed: dict[str, int] = {}  # leading positions holding the draft's KV
         self.probs: dict[str, torch.Tensor] = {}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadenza.kernels.metadata import AttentionMetadata
+from cadenza.kernels.attention.metadata import AttentionMetadata
 
 
 @dataclass(slots=True)

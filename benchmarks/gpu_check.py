@@ -1,6 +1,6 @@
 """GPU check: every Triton kernel against its torch reference at real shapes, timed against torch.
 
-    python -m cadenza.kernels.gpu_check [--quick] [--dtype bf16|fp16|both] [--budget-s 240]
+    python -m cadenza.benchmarks.gpu_check [--quick] [--dtype bf16|fp16|both] [--budget-s 240]
 
 Shapes are those of an 8B Llama (32 query heads, 8 KV heads of 128, hidden 4096): decode
 batches of 1-256 over contexts of 128-32k tokens (at most 2^20 context tokens per case, so
@@ -179,7 +179,7 @@ def paged_batch(
     plan: Plan, seq_lens: list[int], q_lens: list[int], dtype: torch.dtype, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
     """q, k_cache, v_cache and AttentionMetadata for these requests, on scattered blocks."""
-    from cadenza.kernels.metadata import AttentionMetadata
+    from cadenza.kernels.attention.metadata import AttentionMetadata
 
     bs = plan.block_size
     per_req = [-(-n // bs) for n in seq_lens]
@@ -229,8 +229,8 @@ def attention_cases(plan: Plan, dtype: torch.dtype, dev: torch.device) -> Iterat
 def _attention_case(
     plan: Plan, name: str, seq_lens: list[int], q_lens: list[int], dtype: torch.dtype, dev: torch.device
 ) -> Case:
-    from cadenza.kernels.attention import paged_attention_ref
-    from cadenza.kernels.paged_attention import paged_attention_triton
+    from cadenza.kernels.attention.reference import paged_attention_ref
+    from cadenza.kernels.attention.triton_paged import paged_attention_triton
 
     q, kc, vc, meta = paged_batch(plan, seq_lens, q_lens, dtype, dev)
     scale = plan.head_dim**-0.5
@@ -252,7 +252,7 @@ def _sdpa_baseline(
     gathered before timing: torch has no paged attention), GQA without repeating K/V."""
     import torch.nn.functional as F
 
-    from cadenza.kernels.attention import gather_kv
+    from cadenza.kernels.attention.reference import gather_kv
 
     reqs = len(meta.seq_lens)
     keys = torch.stack([gather_kv(kc, meta.block_tables[i], ctx) for i in range(reqs)]).transpose(1, 2)
@@ -393,7 +393,7 @@ def _triton_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cadenza.kernels.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cadenza.benchmarks.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing runs")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="both")
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no case after this many seconds")

@@ -1,7 +1,9 @@
 """One Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
-Projections are fused (q|k|v and gate|up) so a decode step is few, large matmuls; every
-other op goes through cadenza.kernels.ops so the Triton kernels slot in unchanged.
+Projections are fused (q|k|v and gate|up) so a decode step is few, large matmuls; how each
+projection's weight is stored and multiplied is its LinearMethod (cadenza.kernels.linear),
+chosen at load time; every other op goes through cadenza.kernels.ops so the Triton kernels
+slot in unchanged.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cadenza.kernels import cpu_native, ops
-from cadenza.kernels.metadata import AttentionMetadata
+from cadenza.kernels import ops
+from cadenza.kernels.attention.metadata import AttentionMetadata
+from cadenza.kernels.cpu.decode_stack import DecodeLayer, DecodeStackKernel, DecodeStackShape, bind_decode_stack
+from cadenza.kernels.linear import LinearMethod, choose_linear_method, dense_linear
 from cadenza.models.config import ModelConfig
 from cadenza.models.rope import cos_sin_cache
 from cadenza.models.tp import SINGLE, TPGroup
@@ -18,27 +22,9 @@ from cadenza.models.tp import SINGLE, TPGroup
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-# Rows up to which Linear on the CPU (fp32) uses the C GEMV of cpu_native, which reads W once
-# for all rows: single-stream decode, k + 1 speculative verification, small decode batches.
-FEW_ROWS = 8
-# Rows up to which a packed Linear uses oneDNN: larger decode batches.
-SMALL_BATCH_ROWS = 64
-
-
 class Linear(nn.Module):
-    """y = x W^T + b with W stored transposed, [in, out].
-
-    Measured here (MKL, 2 cores): x @ W_t streams a decode step's weights at ~25 GB/s, while
-    F.linear on the [out, in] layout manages ~13 GB/s; at large M both are compute-bound alike.
-    Between the two, MKL's GEMM is poor: 5 rows cost ~4x one row (it repacks W every call).
-    On the CPU in fp32, prepare_cpu_paths re-lays W out as [out, in] (weight_t becomes a view;
-    MKL is as fast either way at large M) for two faster paths:
-    - up to FEW_ROWS rows (single-stream decode, k + 1 verification): the C GEMV of cpu_native
-      reads W once for all rows, at ~28 GB/s where x @ W_t manages 13-22 (two cores);
-    - up to SMALL_BATCH_ROWS rows: a oneDNN-packed copy (doubling the weights' memory): 5 rows
-      of the 576x3072 MLP weight take 0.37 ms vs 0.79 ms, the LM head 12.8 vs 36.7 ms (one core).
-    The figures are `/tmp` microbenchmarks quoted in the issue notes.
-    """
+    """y = x W^T + b. W arrives dense as weight_t [in, out] (the loaders fill it, tensor
+    parallelism slices it); prepare_kernels then hands it to the LinearMethod chosen for it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -46,29 +32,14 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         # Row-parallel under tensor parallelism: partial sums are all-reduced across ranks.
         self.reduce: TPGroup = SINGLE
-        self.packed: torch.Tensor | None = None
-        self.rows: torch.Tensor | None = None  # W as [out, in], under the weight_t view
-        self.few_rows_kernel = False
+        self.method: LinearMethod | None = None  # None until chosen: the dense weight_t as loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.few_rows_kernel and rows <= FEW_ROWS and ops.backend() == "cpu":
-            y = cpu_native.linear_few_rows(x, self.rows, self.bias)
-        elif self.packed is not None and 1 < rows <= SMALL_BATCH_ROWS:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        elif self.bias is None:
-            y = x @ self.weight_t
-        else:
-            y = torch.addmm(self.bias, x, self.weight_t)
+        y = dense_linear(x, self.weight_t, self.bias) if self.method is None else self.method.apply(x, self.bias)
         return self.reduce.all_reduce(y)
 
-    def prepare_cpu_paths(self, few_rows_kernel: bool, packed: bool) -> None:
-        """W as [out, in] under the weight_t view; the few-rows C GEMV and/or the oneDNN copy."""
-        rows = self.weight_t.detach().t().contiguous()
-        self.weight_t.data, self.rows = rows.t(), rows
-        self.few_rows_kernel = few_rows_kernel
-        if packed:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(rows, 8)
+    def weight_bytes(self) -> int:
+        return self.weight_t.nbytes if self.method is None else self.method.weight_bytes()
 
 
 class Attention(nn.Module):
@@ -127,16 +98,19 @@ class DecoderLayer(nn.Module):
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual
 
-    def decode_weights(self) -> list[torch.Tensor | None] | None:
-        """The weights csrc/decode_layer.c takes, in its order, or None where they are not
-        plain [out, in] fp32 (see Linear.prepare_cpu_paths: TP 1, not quantized)."""
+    def decode_layer(self) -> DecodeLayer:
+        """This layer's weights by role, for the C decode stack (after prepare_kernels)."""
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(linear.rows is None for linear in linears):
-            return None
-        weights = [self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj.rows, attn.qkv_proj.bias]
-        weights += [attn.o_proj.rows, attn.o_proj.bias, mlp.gate_up_proj.rows, mlp.down_proj.rows]
-        return [None if w is None else w.detach() for w in weights]
+        return DecodeLayer(
+            input_norm=self.input_layernorm,
+            post_attention_norm=self.post_attention_layernorm,
+            qkv=attn.qkv_proj.method,
+            qkv_bias=attn.qkv_proj.bias,
+            o=attn.o_proj.method,
+            o_bias=attn.o_proj.bias,
+            gate_up=mlp.gate_up_proj.method,
+            down=mlp.down_proj.method,
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,14 +126,14 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        # Tied models get their own transposed copy for the faster decode layout (see Linear).
+        # Tied models get their own copy, so its method may re-lay it out (see kernels/linear).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("cos_sin", cos_sin_cache(cfg, max_positions), persistent=False)
         self.is_first_stage = self.is_last_stage = True
         self.tp: TPGroup = SINGLE
         self.vocab_start = 0  # this rank's first vocab row (vocab-parallel embedding)
-        # All of this stage's layers in one C call for one-token steps on the CPU (bind_decode_stack).
-        self.decode_stack: cpu_native.DecodeStackKernel | None = None
+        # All of this stage's layers in one C call for one-token steps on the CPU (prepare_kernels).
+        self.decode_stack: DecodeStackKernel | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -203,30 +177,26 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.all_gather_last(self.lm_head(hidden).float())
         return logits[:, : self.cfg.vocab_size]
 
-    def prepare_cpu_paths(self) -> None:
-        """CPU fp32 only (see Linear): the C GEMV for one row where this host can build it, and
-        oneDNN copies (doubling the weights' memory) for 2..64 rows."""
-        on_cpu_fp32 = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
-        if not on_cpu_fp32:
-            return
-        few_rows, packed = cpu_native.gemv_available(), torch.backends.mkldnn.is_available()
+    def prepare_kernels(self) -> None:
+        """Once loaded and sharded: each projection's LinearMethod, and on the CPU in fp32 (TP 1)
+        the C decode stack: one-token steps then run all layers in csrc/decode_layer.c, the
+        same math as DecoderLayer.forward with ~60 fewer torch calls a layer."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.weight_t.numel() > 1:
-                module.prepare_cpu_paths(few_rows, packed)
-        if few_rows and self.tp.size == 1 and cpu_native.decode_layers_available():
-            self.bind_decode_stack()
-
-    def bind_decode_stack(self) -> None:
-        """One-token steps run this stage's layers in csrc/decode_layer.c: the same math as
-        DecoderLayer.forward with ~60 fewer torch calls a layer, and one ctypes call a step."""
-        weights = [layer.decode_weights() for layer in self.layers]
-        if not weights or any(w is None for w in weights):
-            return
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        dims = [self.cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.rows.shape[1], 0]
-        self.decode_stack = cpu_native.DecodeStackKernel(weights, dims, self.cfg.rms_norm_eps, attn.scale)
+            if isinstance(module, Linear):
+                module.method = choose_linear_method(module.weight_t)
+        if self.tp.size == 1:  # the C stack has no all-reduce: tensor-parallel layers run op by op
+            cfg = self.cfg
+            shape = DecodeStackShape(
+                hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
+            )  # fmt: skip
+            self.decode_stack = bind_decode_stack([layer.decode_layer() for layer in self.layers], shape)
 
     def weight_bytes(self) -> int:
-        """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
-        return total - (self.lm_head.weight_t.nbytes if self.cfg.tie_word_embeddings else 0)
+        """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams.
+        Projections count what their methods store, whatever the format."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        dense = {id(linear.weight_t) for linear in linears}
+        total = sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in dense)
+        total += sum(linear.weight_bytes() for linear in linears)
+        return total - (self.lm_head.weight_bytes() if self.cfg.tie_word_embeddings else 0)

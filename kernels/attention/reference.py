@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cadenza.kernels.metadata import AttentionMetadata, DecodePlan
+from cadenza.kernels.attention.metadata import AttentionMetadata, DecodePlan
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -82,7 +82,7 @@ def paged_attention_ref(
     """Attention for every token of a varlen batch. q [T, H, D] -> [T, H, D].
 
     `decode` runs the one-query rows (decodes and short extends); the C kernel of
-    cpu_native has the same contract."""
+    attention/cpu.py has the same contract."""
     plan = meta.decode_plan if meta.decode_plan is not None else _plan_decode_rows(meta, q.device)
     meta.decode_plan = plan  # every layer of the step shares it
     if plan.index is None:  # every token is a decode row, in order

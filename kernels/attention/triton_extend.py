@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cadenza.kernels.attention_tile import (
+from cadenza.kernels.attention.triton_tile import (
     LOG2E,
     check_caches,
     keys_per_tile,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.kernels.decode_attention import paged_decode_attention_triton
-from cadenza.kernels.metadata import AttentionMetadata
-from cadenza.kernels.prefill_attention import extend_attention_triton
+from cadenza.kernels.attention.metadata import AttentionMetadata
+from cadenza.kernels.attention.triton_decode import paged_decode_attention_triton
+from cadenza.kernels.attention.triton_extend import extend_attention_triton
 
 
 def paged_attention_triton(

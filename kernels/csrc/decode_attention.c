@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cadenza_kernels.h"
+
 static void attend_group(const float *q, const float *k_cache, const float *v_cache,
                          const int64_t *table, int64_t seq_len, float *out,
                          int kh, int num_kv_heads, int group, int head_dim,

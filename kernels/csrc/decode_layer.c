@@ -14,12 +14,11 @@
  */
 #include <string.h>
 
+#include "cadenza_kernels.h"
+/* One translation unit with the kernels it calls, so the compiler may inline them here. */
 #include "decode_attention.c"
 #include "elementwise.c"
 #include "gemv.c"
-
-enum { W_LN1, W_LN2, W_QKV, B_QKV, W_O, B_O, W_GATE_UP, W_DOWN, NUM_WEIGHTS };
-enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, NUM_DIMS };
 
 /* Scratch floats decode_layer needs for these dims. */
 int64_t decode_layer_scratch(const int64_t *dims) {

@@ -6,6 +6,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cadenza_kernels.h"
+
 #define PARALLEL_ROWS 16
 
 /* out = rms_norm(x + res) * w, res_out = x + res; res may be NULL (then res_out is unused). */

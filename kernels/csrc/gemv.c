@@ -13,6 +13,8 @@
  */
 #include <stdint.h>
 
+#include "cadenza_kernels.h"
+
 typedef float v8 __attribute__((vector_size(32), aligned(4))); /* aligned(4): unaligned loads */
 
 static inline v8 load8(const float *p) { return *(const v8 *)p; }

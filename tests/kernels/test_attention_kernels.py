@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.kernels.attention import paged_attention_ref, paged_decode_attention_ref
-from cadenza.kernels.decode_attention import decode_num_splits, paged_decode_attention_triton
-from cadenza.kernels.metadata import AttentionMetadata
-from cadenza.kernels.paged_attention import paged_attention_triton
+from cadenza.kernels.attention.metadata import AttentionMetadata
+from cadenza.kernels.attention.reference import paged_attention_ref, paged_decode_attention_ref
+from cadenza.kernels.attention.triton_decode import decode_num_splits, paged_decode_attention_triton
+from cadenza.kernels.attention.triton_paged import paged_attention_triton
 from tests.kernels._compare import DEVICE, DTYPES, within_2x
 
 # (query heads, KV heads): GQA ratios 1, 3, 4 and 8.

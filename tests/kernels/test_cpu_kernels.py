@@ -1,4 +1,4 @@
-"""The C kernels of the `cpu` backend (kernels/csrc, through cpu_native) against the torch
+"""The C kernels of the `cpu` backend (kernels/csrc, through kernels/cpu) against the torch
 references: decode attention, the one-row GEMV, norm, rotary and SiLU-and-mul.
 
 Attention uses the same batches as the Triton tests (scattered blocks; block 0 is padding full of 8.0 that no
@@ -10,15 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.kernels import cpu_native, ops
+from cadenza.kernels import ops
 from cadenza.kernels.activation import silu_and_mul_ref
-from cadenza.kernels.attention import paged_attention_ref, paged_decode_attention_ref
+from cadenza.kernels.attention import cpu as attention_cpu
+from cadenza.kernels.attention.reference import paged_attention_ref, paged_decode_attention_ref
+from cadenza.kernels.cpu import bindings, build, decode_stack, elementwise, gemv
 from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from cadenza.kernels.rotary import rotary_ref
 from tests.kernels.test_attention_kernels import HEADS, _paged_batch
 
 pytestmark = pytest.mark.skipif(
-    not cpu_native.decode_attention_available(), reason="no C compiler: the CPU kernel cannot be built here"
+    not attention_cpu.decode_attention_available(), reason="no C compiler: the CPU kernel cannot be built here"
 )
 
 
@@ -30,7 +32,7 @@ def test_decode_rows_match_the_reference(heads: tuple[int, int], head_dim: int, 
     q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * 5, heads, head_dim, block_size, torch.float32)
     args = (meta.block_tables, meta.seq_lens_tensor, head_dim**-0.5)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, *args)
-    got = cpu_native.paged_decode_attention_cpu(q, k_cache, v_cache, *args)
+    got = attention_cpu.paged_decode_attention_cpu(q, k_cache, v_cache, *args)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -49,7 +51,7 @@ def test_a_mixed_batch_through_the_cpu_backend_matches_torch(monkeypatch: pytest
 def test_the_kernel_refuses_what_it_cannot_read() -> None:
     q, k_cache, v_cache, meta = _paged_batch([5], [1], (2, 2), 64, 16, torch.float32)
     with pytest.raises(ValueError, match="fp32 CPU"):
-        cpu_native.paged_decode_attention_cpu(
+        attention_cpu.paged_decode_attention_cpu(
             q.double(), k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, 0.125
         )
 
@@ -59,56 +61,56 @@ def test_without_a_compiler_nothing_is_built_and_torch_is_the_default(
 ) -> None:  # noqa: ANN001 - pytest's tmp_path
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("CADENZA_CACHE_DIR", str(tmp_path))
-    cpu_native.load.cache_clear()
+    build.load.cache_clear()
     ops.default_backend.cache_clear()
     try:
-        assert cpu_native.load("decode_attention") is None
-        assert not cpu_native.decode_attention_available()
+        assert build.load("decode_attention") is None
+        assert not attention_cpu.decode_attention_available()
         assert ops.default_backend() == ("triton" if torch.cuda.is_available() else "torch")
         assert not list(tmp_path.iterdir())
     finally:
         monkeypatch.undo()
-        cpu_native.load.cache_clear()
+        build.load.cache_clear()
         ops.default_backend.cache_clear()
-    assert cpu_native.decode_attention_available()
+    assert attention_cpu.decode_attention_available()
 
 
 def test_a_fresh_cache_builds_the_library_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setenv("CADENZA_CACHE_DIR", str(tmp_path))
-    cpu_native.load.cache_clear()
+    build.load.cache_clear()
     try:
-        assert cpu_native.load("decode_attention") is not None
+        assert build.load("decode_attention") is not None
         built = sorted(p.name for p in tmp_path.iterdir())
         assert len(built) == 1 and built[0].startswith("decode_attention-") and built[0].endswith(".so")
-        cpu_native.load.cache_clear()
-        assert cpu_native.load("decode_attention") is not None
+        build.load.cache_clear()
+        assert build.load("decode_attention") is not None
         assert sorted(p.name for p in tmp_path.iterdir()) == built  # reused, not rebuilt
     finally:
         monkeypatch.undo()
-        cpu_native.load.cache_clear()
+        build.load.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past PARALLEL_ROWS, so the threaded loop
 def test_norm_rotary_and_silu_match_the_references(rows: int) -> None:
     torch.manual_seed(rows)
     x, residual, weight = torch.randn(rows, 576), torch.randn(rows, 576), torch.rand(576) + 0.5
-    out, summed = cpu_native.fused_add_rms_norm_cpu(x, residual, weight, 1e-5)
+    out, summed = elementwise.fused_add_rms_norm_cpu(x, residual, weight, 1e-5)
     ref_out, ref_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
     torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
-        cpu_native.fused_add_rms_norm_cpu(x, None, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5)
+        elementwise.fused_add_rms_norm_cpu(x, None, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5)
     )
 
     qkv = torch.randn(rows, (9 + 3 + 3) * 64)  # q and k are strided views of the fused output
     q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
     q, k = q.view(rows, 9, 64), k.view(rows, 3, 64)
     cos_sin = torch.randn(rows, 64)
-    for got, expected in zip(cpu_native.rotary_cpu(q, k, cos_sin), rotary_ref(q, k, cos_sin), strict=True):
+    for got, expected in zip(elementwise.rotary_cpu(q, k, cos_sin), rotary_ref(q, k, cos_sin), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
     gate_up = torch.randn(rows, 2 * 1536) * 4
-    torch.testing.assert_close(cpu_native.silu_and_mul_cpu(gate_up), silu_and_mul_ref(gate_up), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(elementwise.silu_and_mul_cpu(gate_up), silu_and_mul_ref(gate_up), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
@@ -121,7 +123,7 @@ def test_the_few_rows_gemv_matches_a_matmul(rows: int, out_features: int, bias: 
     expected = torch.nn.functional.linear(x, weight, b)
     # Outputs are ~sqrt(in_features) in size; the kernel sums in a different order than MKL.
     atol = 2e-6 * in_features**0.5
-    torch.testing.assert_close(cpu_native.linear_few_rows(x, weight, b), expected, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(gemv.linear_few_rows(x, weight, b), expected, atol=atol, rtol=1e-5)
 
 
 def test_no_pointer_is_taken_from_a_temporary() -> None:
@@ -130,16 +132,17 @@ def test_no_pointer_is_taken_from_a_temporary() -> None:
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(cpu_native))
-    temporaries = [
-        node.lineno
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "data_ptr"
-        and isinstance(node.func.value, ast.Call)
-    ]
-    assert not temporaries, f"data_ptr() of a temporary at lines {temporaries} of cpu_native.py"
+    for module in (bindings, elementwise, gemv, decode_stack, attention_cpu):
+        tree = ast.parse(inspect.getsource(module))
+        temporaries = [
+            node.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "data_ptr"
+            and isinstance(node.func.value, ast.Call)
+        ]
+        assert not temporaries, f"data_ptr() of a temporary at lines {temporaries} of {module.__name__}"
 
 
 def test_strided_inputs_give_the_contiguous_answer() -> None:
@@ -150,7 +153,7 @@ def test_strided_inputs_give_the_contiguous_answer() -> None:
     weight = (torch.rand(2, 576) + 0.5)[0]
     weight_strided = torch.stack([weight, weight], dim=1)[:, 0]
     assert not residual.is_contiguous() and not weight_strided.is_contiguous()
-    out, summed = cpu_native.fused_add_rms_norm_cpu(x, residual, weight_strided, 1e-5)
+    out, summed = elementwise.fused_add_rms_norm_cpu(x, residual, weight_strided, 1e-5)
     ref_out, ref_summed = fused_add_rms_norm_ref(x, residual.contiguous(), weight, 1e-5)
     torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)

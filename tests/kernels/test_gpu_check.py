@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from cadenza.kernels import gpu_check
+from cadenza.benchmarks import gpu_check
 from tests.kernels._compare import DEVICE
 
 KERNELS = {
@@ -51,7 +51,7 @@ def test_a_failing_case_is_reported_not_raised() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for machines without CUDA")
 def test_without_cuda_it_says_so_and_exits_nonzero() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cadenza.kernels.gpu_check", "--quick"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cadenza.benchmarks.gpu_check", "--quick"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr

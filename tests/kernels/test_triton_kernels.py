@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cadenza.kernels import paged_attention
 from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from cadenza.kernels.attention import triton_paged
 from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
 from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
 from cadenza.kernels.rotary import rotary_ref, rotary_triton
@@ -92,7 +92,7 @@ def test_model_greedy_tokens_equal_with_triton_kernels(tiny_model, monkeypatch: 
 
     launches = {"decode": 0, "extend": 0}
     for name, attr in (("decode", "paged_decode_attention_triton"), ("extend", "extend_attention_triton")):
-        monkeypatch.setattr(paged_attention, attr, _counted(launches, name, getattr(paged_attention, attr)))
+        monkeypatch.setattr(triton_paged, attr, _counted(launches, name, getattr(triton_paged, attr)))
 
     path, _ = tiny_model("llama_gqa_tied")
     shared = [(5 * i) % 150 + 3 for i in range(40)]

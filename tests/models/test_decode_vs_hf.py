@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cadenza import LLM, SamplingParams
-from cadenza.kernels import cpu_native
+from cadenza.kernels.cpu.decode_stack import decode_layers_available
 from tests.conftest import TINY, TINY_CONFIGS
 from tests.models.test_logits_vs_hf import hf_logprobs
 
@@ -19,7 +19,7 @@ from tests.models.test_logits_vs_hf import hf_logprobs
 @pytest.mark.parametrize("kernels", ["cpu", "torch"])
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
 def test_greedy_decode_steps_match_hf(tiny_model, monkeypatch: pytest.MonkeyPatch, kind: str, kernels: str) -> None:
-    if kernels == "cpu" and not cpu_native.decode_layers_available():
+    if kernels == "cpu" and not decode_layers_available():
         pytest.skip("no C compiler: the CPU kernels cannot be built here")
     monkeypatch.setenv("CADENZA_KERNELS", kernels)
     path, hf = tiny_model(kind)

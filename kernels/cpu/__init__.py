@@ -1,0 +1,1 @@
+"""The CPU backend's C kernels (kernels/csrc): build, bindings and the tensor-level calls."""

@@ -1,0 +1,138 @@
+"""A pipeline stage's decoder layers for one token in a single C call (csrc/decode_layer.c).
+
+One-token steps on the CPU run the same math as the model's DecoderLayer.forward with ~60
+fewer torch calls a layer and one ctypes call a step. The model names each layer's weights
+by role (DecodeLayer); bind_decode_stack lays them out in the C kernel's order, and only
+where every projection is plain fp32 [out, in] rows (LinearMethod.fp32_rows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from cadenza.kernels.cpu.bindings import DECODE_LAYER_SCRATCH, DECODE_LAYERS, DecodeDim, DecodeWeight
+from cadenza.kernels.cpu.gemv import gemv_available
+from cadenza.kernels.linear.base import LinearMethod
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One decoder layer's weights by role: its norms, its four projections and their biases."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: LinearMethod
+    qkv_bias: torch.Tensor | None
+    o: LinearMethod
+    o_bias: torch.Tensor | None
+    gate_up: LinearMethod
+    down: LinearMethod
+
+
+@dataclass(frozen=True)
+class DecodeStackShape:
+    """What decode_layer.c needs beyond the weights (the intermediate size comes from them)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+def decode_layers_available() -> bool:
+    return DECODE_LAYERS.available()
+
+
+def bind_decode_stack(layers: list[DecodeLayer], shape: DecodeStackShape) -> DecodeStackKernel | None:
+    """The stage's layers bound for the C kernel, or None where it cannot run them: a
+    projection that is not plain fp32 rows (another device, dtype or storage), or no build."""
+    weights = [_in_kernel_order(layer) for layer in layers]
+    if not weights or any(w is None for w in weights):
+        return None
+    # Checked after the weights, so a GPU or bf16 model never starts a C build.
+    if not (gemv_available() and decode_layers_available()):
+        return None
+    dims = {
+        DecodeDim.D_HIDDEN: shape.hidden,
+        DecodeDim.D_HEADS: shape.heads,
+        DecodeDim.D_KV_HEADS: shape.kv_heads,
+        DecodeDim.D_HEAD_DIM: shape.head_dim,
+        DecodeDim.D_INTER: weights[0][DecodeWeight.W_DOWN].shape[1],
+        DecodeDim.D_BLOCK_SIZE: 0,  # the KV cache's, known at the first call
+    }
+    return DecodeStackKernel(weights, dims, shape.eps, shape.scale)
+
+
+def _in_kernel_order(layer: DecodeLayer) -> list[torch.Tensor | None] | None:
+    rows = [method.fp32_rows() for method in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if any(r is None for r in rows):
+        return None
+    qkv, o, gate_up, down = rows
+    by_slot = {
+        DecodeWeight.W_LN1: layer.input_norm,
+        DecodeWeight.W_LN2: layer.post_attention_norm,
+        DecodeWeight.W_QKV: qkv,
+        DecodeWeight.B_QKV: layer.qkv_bias,
+        DecodeWeight.W_O: o,
+        DecodeWeight.B_O: layer.o_bias,
+        DecodeWeight.W_GATE_UP: gate_up,
+        DecodeWeight.W_DOWN: down,
+    }
+    return [None if by_slot[slot] is None else by_slot[slot].detach() for slot in DecodeWeight]
+
+
+def _pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+class DecodeStackKernel:
+    """A run of decoder layers' weights, bound for csrc/decode_layer.c (one token, fp32, TP 1).
+
+    `layers[l]` holds layer l's weights in DecodeWeight order, all contiguous fp32 CPU. The
+    tensors are kept here, so the pointers stay valid as long as this object lives."""
+
+    def __init__(
+        self, layers: list[list[torch.Tensor | None]], dims: dict[DecodeDim, int], eps: float, scale: float
+    ) -> None:
+        if not decode_layers_available():
+            raise RuntimeError("the CPU decode-layer kernel is not built (see the log for why)")
+        for t in (t for weights in layers for t in weights):
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError("the decode-layer kernel takes contiguous fp32 CPU weights")
+        self.layers, self.eps, self.scale = layers, eps, scale
+        self.pointers = _pointers([t for weights in layers for t in weights])
+        self.dims = (ctypes.c_int64 * len(DecodeDim))(*[dims[d] for d in DecodeDim])
+        self.scratch = torch.empty(DECODE_LAYER_SCRATCH(dims=self.dims), dtype=torch.float32)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slot: int,
+        block_table: torch.Tensor,
+        seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last mlp output, residual stream) for one token x [1, hidden], as the layers' forwards."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(self.layers)} layers but {len(kv_caches)} KV caches")
+        x, cos_sin, block_table = x.contiguous(), cos_sin.contiguous(), block_table.contiguous()
+        residual = None if residual is None else residual.contiguous()
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        self.dims[DecodeDim.D_BLOCK_SIZE] = kv_caches[0][0].shape[1]
+        # The caches' pointer arrays hold addresses only: kv_caches itself keeps them alive.
+        status = DECODE_LAYERS(
+            w=self.pointers, n_layers=len(self.layers), dims=self.dims, eps=self.eps, scale=self.scale, x=x,
+            res=residual, out=out, res_out=res_out, cos_sin=cos_sin, k_caches=_pointers([k for k, _ in kv_caches]),
+            v_caches=_pointers([v for _, v in kv_caches]), slot=slot, block_table=block_table, seq_len=seq_len,
+            scratch=self.scratch, num_threads=torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the CPU decode-layer kernel could not allocate its attention scores")
+        return out, res_out

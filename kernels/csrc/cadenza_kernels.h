@@ -1,0 +1,43 @@
+/* Every function the C kernels export, as kernels/cpu/bindings.py calls them through ctypes.
+ *
+ * Each .c file includes this header, so a definition that drifts from its declaration fails
+ * the build (-Wall -Werror) instead of being called with the wrong arguments. The parameter
+ * names here are the names bindings.py passes by keyword (tests/kernels check they agree).
+ * All tensors are fp32 and contiguous unless a stride argument says otherwise.
+ */
+#ifndef CADENZA_KERNELS_H
+#define CADENZA_KERNELS_H
+
+#include <stdint.h>
+
+/* decode_attention.c: one query row per entry, K/V read in place through the block tables.
+ * Returns 0, or -1 when a scratch allocation failed. */
+int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                           const int64_t *block_tables, int64_t table_stride,
+                           const int64_t *seq_lens, float *out, int num_rows, int num_heads,
+                           int num_kv_heads, int head_dim, int block_size, float scale,
+                           int num_threads);
+
+/* elementwise.c: the per-token ops between the GEMMs. */
+void add_rms_norm(const float *x, const float *res, const float *w, float *out, float *res_out,
+                  int64_t rows, int64_t cols, float eps, int num_threads);
+void rotary(const float *x, int64_t stride_t, int64_t stride_h, const float *cos_sin, float *out,
+            int64_t tokens, int64_t heads, int64_t half, int num_threads);
+void silu_and_mul(const float *x, float *out, int64_t rows, int64_t inter, int num_threads);
+
+/* gemv.c: y [m, n] = x [m, k] W^T (+ b), W [n, k] row-major. */
+void gemv_rows(const float *x, const float *w, const float *bias, float *y, int64_t m_dim,
+               int64_t k_dim, int64_t n_dim, int num_threads);
+
+/* decode_layer.c: a stack of decoder layers for one token. Layer l's weights are
+ * w[l * NUM_WEIGHTS + DECODE_WEIGHT]; dims[DECODE_DIM] describes the model. */
+enum decode_weight { W_LN1, W_LN2, W_QKV, B_QKV, W_O, B_O, W_GATE_UP, W_DOWN, NUM_WEIGHTS };
+enum decode_dim { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, NUM_DIMS };
+
+int64_t decode_layer_scratch(const int64_t *dims);
+int decode_layers(const float *const *w, int64_t n_layers, const int64_t *dims, float eps, float scale,
+                  const float *x, const float *res, float *out, float *res_out, const float *cos_sin,
+                  float *const *k_caches, float *const *v_caches, int64_t slot, const int64_t *block_table,
+                  int64_t seq_len, float *scratch, int num_threads);
+
+#endif /* CADENZA_KERNELS_H */

@@ -1,0 +1,32 @@
+"""LinearMethod: how one projection's weight is stored and multiplied (y = x W^T + b).
+
+A model's Linear holds its weight as loaded, dense, as `weight_t` [in, out] (the loaders
+write it, tensor parallelism slices it); at load time choose_linear_method picks a method
+for it, which may re-lay the weight out, pack it, quantize it or keep it as it is, and from
+then on the Linear only calls the method. A method owns whatever storage it needs: where
+that is not the dense weight, it takes weight_t over (e.g. re-points its data at a view of
+its own copy, or frees it), so the model holds one copy of the weights.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class LinearMethod(ABC):
+    """One projection's weight in some storage, and the matmul that reads it."""
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, in] -> [M, out] = x W^T (+ bias)."""
+
+    @abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes one pass over the weight reads (what a decode step streams)."""
+
+    def fp32_rows(self) -> torch.Tensor | None:
+        """W as contiguous fp32 [out, in] CPU rows, for kernels that read the weights
+        themselves (the C decode stack); None for any other storage."""
+        return None
