@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
 import ray
 
-from cadenza.actors.engine_actor import EngineActor, OutputBatch
+from cadenza.actors import codec
+from cadenza.actors.engine_actor import EngineActor
 from cadenza.actors.local_ray import ensure_ray
 from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
@@ -29,8 +29,6 @@ from cadenza.models.shard import stage_layers
 from cadenza.models.tp import check_tp
 from cadenza.stats import ServingStats
 
-_batch_decoder = msgspec.msgpack.Decoder(OutputBatch)
-_stats_decoder = msgspec.msgpack.Decoder(ServingStats)
 _RemoteEngine = ray.remote(EngineActor)
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -47,7 +45,8 @@ class AsyncLLM(StreamingClient):
         stage_layers(self.model_config.num_layers, self.config.pipeline_parallel_size, 0)
         self.tokenizer = load_tokenizer(path, self.model_config)
         ensure_ray(self.config.world_size)
-        self.engine = _RemoteEngine.options(num_cpus=0).remote(msgspec.msgpack.encode(self.config))
+        codec.register()
+        self.engine = _RemoteEngine.options(num_cpus=0).remote(self.config)
         try:
             self.max_model_len: int = ray.get(self.engine.start.remote())
         except ray.exceptions.RayError as e:
@@ -58,7 +57,7 @@ class AsyncLLM(StreamingClient):
     async def stats(self) -> ServingStats:
         self._check_alive()
         try:
-            return _stats_decoder.decode(await self.engine.stats.remote())
+            return await self.engine.stats.remote()
         except ray.exceptions.RayActorError as e:
             raise self._actor_died(e) from e
 
@@ -85,9 +84,13 @@ class AsyncLLM(StreamingClient):
     async def _submit(self, requests: list[EngineRequest]) -> None:
         for req in requests:
             try:
-                error = await self.engine.add_request.remote(msgspec.msgpack.encode(req))
+                error = await self.engine.add_request.remote(req)
             except ray.exceptions.RayActorError as e:
                 raise self._actor_died(e) from e
+            except ray.exceptions.RayTaskError as e:
+                if (unreadable := codec.unreadable(e)) is None:
+                    raise
+                error = str(unreadable)  # not an EngineRequest: refused like any bad request
             if error is not None:
                 raise ValueError(error)
 
@@ -104,7 +107,7 @@ class AsyncLLM(StreamingClient):
         ack = 0
         while True:
             try:
-                batch = _batch_decoder.decode(await self.engine.get_outputs.remote(ack))
+                batch = await self.engine.get_outputs.remote(ack)
             except ray.exceptions.RayActorError as e:
                 self._actor_died(e)
                 return

@@ -1,9 +1,10 @@
 """EngineActor: the Ray actor that owns the scheduler and the KV block allocator and runs the
 step loop over its worker actors while there is work.
 
-Every method takes and returns msgpack bytes of msgspec Structs. Outputs go back batched:
-one `get_outputs` answer carries every request's deltas since the last one, never a message
-per token. A failed step ends the in-flight requests with an error and rebuilds the workers.
+Every method takes and returns message Structs (cadenza.messages, cadenza.stats) or builtins;
+Ray sends the Structs as msgpack (cadenza.actors.codec). Outputs go back batched: one
+`get_outputs` answer carries every request's deltas since the last one, never a message per
+token. A failed step ends the in-flight requests with an error and rebuilds the workers.
 """
 
 from __future__ import annotations
@@ -12,36 +13,25 @@ import asyncio
 import logging
 import os
 
-import msgspec
-
+from cadenza.actors import codec
 from cadenza.actors.engine_core import EngineCore
 from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
 from cadenza.config import EngineConfig
-from cadenza.messages import EngineOutput, EngineRequest
+from cadenza.messages import EngineOutput, EngineRequest, OutputBatch
 from cadenza.models.loader import load_tokenizer, max_model_len, read_model
 from cadenza.stats import ServingStats
 
 log = logging.getLogger(__name__)
 
-_encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(EngineRequest)
-
-
-class OutputBatch(msgspec.Struct, kw_only=True):
-    """Every delta published after the client's acknowledged batch, up to batch `last`."""
-
-    last: int
-    outputs: list[EngineOutput]
-
 
 class EngineActor:
-    def __init__(self, config: bytes) -> None:
-        cfg = msgspec.msgpack.decode(config, type=EngineConfig)
-        path, model_config = read_model(cfg.model)
+    def __init__(self, config: EngineConfig) -> None:
+        codec.register()  # before anything is sent: the workers' specs, every step
+        path, model_config = read_model(config.model)
         tokenizer = load_tokenizer(path, model_config)
         eos = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
-        self.core = EngineCore(cfg, model_config, max_model_len(model_config, cfg.max_model_len), eos)
-        self.executor = RayExecutor(cfg, self.core.num_blocks, eos)
+        self.core = EngineCore(config, model_config, max_model_len(model_config, config.max_model_len), eos)
+        self.executor = RayExecutor(config, self.core.num_blocks, eos)
         # Published batches are kept until the client acknowledges them, so a client whose
         # event loop went away mid-call loses nothing: its next call simply asks again.
         self._batches: list[tuple[int, list[EngineOutput]]] = []
@@ -64,13 +54,13 @@ class EngineActor:
         self._loop_task.add_done_callback(self._on_loop_exit)
         return self.core.max_model_len
 
-    async def add_request(self, request: bytes) -> str | None:
+    async def add_request(self, request: EngineRequest) -> str | None:
         """Queue a request; a refused one returns the reason (nothing is raised across actors)."""
         if self._fatal:
             return self._fatal
         try:
-            self.core.add_request(_request_decoder.decode(request))
-        except (ValueError, msgspec.ValidationError) as e:
+            self.core.add_request(request)
+        except ValueError as e:
             return str(e)
         self._has_work.set()
         return None
@@ -79,29 +69,27 @@ class EngineActor:
         self._publish(self.core.abort(request_ids))
         self._has_work.set()  # so the workers hear of it and drop their copies
 
-    async def get_outputs(self, ack: int) -> bytes:
+    async def get_outputs(self, ack: int) -> OutputBatch:
         """Wait until a batch after `ack` exists, then hand over all of them at once."""
         self._batches = [b for b in self._batches if b[0] > ack]
         while self._published <= ack:
             await self._new_batch.wait()
         outputs = [out for n, batch in self._batches if n > ack for out in batch]
-        return _encoder.encode(OutputBatch(last=self._published, outputs=outputs))
+        return OutputBatch(last=self._published, outputs=outputs)
 
     async def health(self) -> str | None:
         """None when serving; else why not."""
         return self._fatal
 
-    async def stats(self) -> bytes:
-        return _encoder.encode(
-            ServingStats(
-                engine=self.core.stats(),
-                num_workers=len(self.executor.workers),
-                worker_pids=list(self.executor.pids),
-                num_worker_restarts=self._restarts,
-                num_steps=self._steps,
-                compiled_graph=self.executor.graph is not None,
-                engine_pid=os.getpid(),
-            )
+    async def stats(self) -> ServingStats:
+        return ServingStats(
+            engine=self.core.stats(),
+            num_workers=len(self.executor.workers),
+            worker_pids=list(self.executor.pids),
+            num_worker_restarts=self._restarts,
+            num_steps=self._steps,
+            compiled_graph=self.executor.graph is not None,
+            engine_pid=os.getpid(),
         )
 
     async def workers(self) -> list:

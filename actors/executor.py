@@ -1,8 +1,9 @@
 """RayExecutor: the engine actor's handle on its worker actors.
 
-tp * pp workers in one placement group. A step sends the same SchedulerOutput bytes to every
+tp * pp workers in one placement group. A step sends the same SchedulerOutput to every
 worker; stage s + 1 gets stage s's HiddenStates straight from stage s, without a detour
 through the engine. The last stage's TP rank 0 (the driver) returns the ModelRunnerOutput.
+Worker calls take and return these Structs; Ray sends them as msgpack (cadenza.actors.codec).
 
 Steps run as plain actor calls chained by object refs, or as a Ray Compiled Graph (channels
 set up once: ~0.8 ms a round trip for two stages instead of ~3.6 ms, measured here) when
@@ -22,21 +23,18 @@ import asyncio
 import logging
 import os
 
-import msgspec
 import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cadenza.actors.worker import Worker, WorkerSpec
+from cadenza.actors.worker import StageOutput, Worker
 from cadenza.config import EngineConfig
-from cadenza.messages import ModelRunnerOutput, SchedulerOutput
+from cadenza.messages import ModelRunnerOutput, SchedulerOutput, WorkerSpec
 
 # How long to wait for the cluster to grant the workers' resources before giving up.
 PLACEMENT_TIMEOUT_S = 60.0
 
-_encoder = msgspec.msgpack.Encoder()
-_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 # Worker.watch runs in its own group, off the thread that executes steps.
 _WATCH_GROUP = "watch"
 _RemoteWorker = ray.remote(concurrency_groups={_WATCH_GROUP: 1})(Worker)
@@ -124,9 +122,7 @@ class RayExecutor:
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=pp * self.config.tensor_parallel_size + tp
         )
-        return _RemoteWorker.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy).remote(
-            msgspec.msgpack.encode(spec)
-        )
+        return _RemoteWorker.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy).remote(spec)
 
     @staticmethod
     async def _watch(worker: ray.actor.ActorHandle) -> BaseException:
@@ -146,8 +142,7 @@ class RayExecutor:
         return [w for stage in self.stages for w in stage]
 
     async def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        data = _encoder.encode(so)
-        step = asyncio.ensure_future(self._graph_step(data) if self.graph is not None else self._call_step(so, data))
+        step = asyncio.ensure_future(self._graph_step(so) if self.graph is not None else self._call_step(so))
         done, _ = await asyncio.wait([step, *self.death_watch], return_when=asyncio.FIRST_COMPLETED)
         if step in done:
             return step.result()
@@ -155,33 +150,32 @@ class RayExecutor:
         e = next(f for f in self.death_watch if f.done()).result()
         raise WorkerFailure(f"a worker died during a step: {type(e).__name__}: {_first_line(e)}")
 
-    async def _graph_step(self, data: bytes) -> ModelRunnerOutput:
+    async def _graph_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:
-            results = await asyncio.gather(*await self.graph.execute_async(data))
+            results = await asyncio.gather(*await self.graph.execute_async(so))
         except Exception as e:  # a dead actor cancels the whole graph at once
             raise WorkerFailure(f"a worker failed during a step: {type(e).__name__}: {_first_line(e)}") from e
         # A torn-down graph hands back its channel error as a value instead of raising it.
         for r in results:
             if isinstance(r, BaseException):
                 raise WorkerFailure(f"a worker failed during a step: {type(r).__name__}: {_first_line(r)}")
-        return _output_decoder.decode(results[0]) if results[0] else ModelRunnerOutput(sampled={})
+        return _driver_output(results[0])
 
-    async def _call_step(self, so: SchedulerOutput, data: bytes) -> ModelRunnerOutput:
+    async def _call_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if not so.total_num_scheduled_tokens:  # bookkeeping only (finished ids): no hidden states
-            refs = [w.execute.remote(data) for w in self.workers]
+            refs = [w.execute.remote(so) for w in self.workers]
         else:
-            refs = [w.execute.remote(data) for w in self.stages[0]]
+            refs = [w.execute.remote(so) for w in self.stages[0]]
             for stage in self.stages[1:]:
                 # Stage outputs are identical across TP ranks (all-reduced); rank i feeds rank i.
-                refs += [w.execute.remote(data, ref) for w, ref in zip(stage, refs[-len(stage) :], strict=True)]
+                refs += [w.execute.remote(so, ref) for w, ref in zip(stage, refs[-len(stage) :], strict=True)]
         try:
             results = await asyncio.gather(*refs)
         except ray.exceptions.RayTaskError as e:
             raise self._classify(e) from e
         except ray.exceptions.RayError as e:
             raise WorkerFailure(f"a worker failed during a step: {type(e).__name__}: {_first_line(e)}") from e
-        driver = results[-len(self.stages[-1])]  # the last stage's rank 0
-        return _output_decoder.decode(driver) if driver else ModelRunnerOutput(sampled={})
+        return _driver_output(results[-len(self.stages[-1])])  # the last stage's rank 0
 
     def _classify(self, e: ray.exceptions.RayTaskError) -> RuntimeError:
         """An exception raised by Worker.execute in a live actor. With tensor parallelism the
@@ -214,6 +208,11 @@ class RayExecutor:
     async def restart(self) -> None:
         self.shutdown()
         await self.start()
+
+
+def _driver_output(result: StageOutput) -> ModelRunnerOutput:
+    """What the driver (the last stage's TP rank 0) answered, as the step's output."""
+    return ModelRunnerOutput.empty() if result is None else result
 
 
 def _first_line(e: BaseException) -> str:

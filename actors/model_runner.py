@@ -12,7 +12,7 @@ from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
 from cadenza.actors.spec_proposal import ProposalInput, Proposer
 from cadenza.actors.varlen_batch import Chunk, build_batch
-from cadenza.kernels.metadata import AttentionMetadata
+from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.messages import HiddenStates, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.is_driver = is_driver
         self.device = model.norm.device
-        model.prepare_cpu_paths()
+        model.prepare_kernels()
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer = proposer  # speculative decoding, on the driver only
@@ -114,7 +114,7 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput, previous: HiddenStates | None = None) -> ModelRunnerOutput | HiddenStates:
         self._update_states(so)
         if not so.total_num_scheduled_tokens:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput.empty()
         batch = self._prepare(so.num_scheduled_tokens)
         with torch.inference_mode():
             result = self._forward(batch, previous)
@@ -175,10 +175,10 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, batch: Batch) -> ModelRunnerOutput:
         if not batch.sampling:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput.empty()
         logits = self.model.compute_logits(hidden[batch.sample_rows]).cpu()
         if not self.is_driver:  # the gather above is collective; sampling is the driver's alone
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput.empty()
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
         for req in batch.sampling:
@@ -190,7 +190,7 @@ class ModelRunner:
                 plain.append(req)
                 plain_rows.append(row)
             row += n
-        out = ModelRunnerOutput(sampled={}, logprobs={})
+        out = ModelRunnerOutput.empty()
         if plain:
             self._sample_plain(out, logits, plain, plain_rows)
         if spec:

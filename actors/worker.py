@@ -1,5 +1,6 @@
 """Worker: one Ray actor per model shard. It owns the shard's weights, KV cache tensors, model
-runner and sampler, and answers `execute(scheduler output bytes)` with msgpack bytes.
+runner and sampler, and answers `execute(step)` with what its stage hands on (StageOutput).
+Messages cross as msgpack (cadenza.actors.codec).
 
 Plain class here; cadenza.actors.executor wraps it with ray.remote and its resources.
 """
@@ -11,37 +12,28 @@ import os
 import socket
 import threading
 
-import msgspec
 import ray
 import torch
 import torch.distributed as dist
 
+from cadenza.actors import codec
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.proposers import build_proposer
-from cadenza.config import EngineConfig
-from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput
+from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, WorkerSpec
 from cadenza.models.loader import load_model
 from cadenza.models.shard import shard_model
 from cadenza.models.tp import SINGLE, TPGroup
 
-
-class WorkerSpec(msgspec.Struct, kw_only=True):
-    config: EngineConfig
-    num_blocks: int
-    eos_token_ids: list[int]
-    tp_rank: int
-    pp_rank: int
-    num_threads: int
-
-
-_encoder = msgspec.msgpack.Encoder()
-_so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-_hidden_decoder = msgspec.msgpack.Decoder(HiddenStates)
+# What one worker hands on from a step: HiddenStates from a stage before the last (the next
+# stage's input), the ModelRunnerOutput from the driver (the last stage's TP rank 0), and None
+# from every other rank, whose output nobody reads.
+StageOutput = ModelRunnerOutput | HiddenStates | None
 
 
 class Worker:
-    def __init__(self, spec: bytes) -> None:
-        self.spec = msgspec.msgpack.decode(spec, type=WorkerSpec)
+    def __init__(self, spec: WorkerSpec) -> None:
+        codec.register()
+        self.spec = spec
         torch.set_num_threads(self.spec.num_threads)
         self.runner: ModelRunner | None = None
 
@@ -88,16 +80,15 @@ class Worker:
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(cfg.pipeline_parallel_size)]
         return TPGroup(spec.tp_rank, tp, groups[spec.pp_rank])
 
-    def execute(self, scheduler_output: bytes, previous: bytes | None = None) -> bytes:
+    def execute(self, step: SchedulerOutput, previous: HiddenStates | None = None) -> StageOutput:
+        """Run this shard's part of a step. A later stage gets the previous stage's output: None
+        after an empty step (bookkeeping only), which carries no hidden states."""
         if self.runner is None:
             raise RuntimeError("worker.execute before worker.load")
-        so = _so_decoder.decode(scheduler_output)
-        # An empty step (bookkeeping only) hands later stages an empty output, not hidden states.
-        hidden = _hidden_decoder.decode(previous) if previous and so.total_num_scheduled_tokens else None
-        result = self.runner.execute(so, hidden)
+        result = self.runner.execute(step, previous if step.total_num_scheduled_tokens else None)
         if isinstance(result, ModelRunnerOutput) and not self.runner.is_driver:
-            return b""  # only the driver's output is read
-        return _encoder.encode(result)
+            return None  # only the driver's output is read
+        return result
 
     def ping(self) -> bool:
         return True

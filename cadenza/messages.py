@@ -1,10 +1,11 @@
-"""Typed messages between the engine's parts. msgspec Structs, so the same types cross actor
-boundaries later as msgpack bytes."""
+"""Typed messages between the engine's parts: msgspec Structs. Actor methods take and return
+them as they are; cadenza.actors.codec makes them msgpack on the wire between actors."""
 
 from __future__ import annotations
 
 import msgspec
 
+from cadenza.config import EngineConfig
 from cadenza.sampling_params import SamplingParams
 
 
@@ -80,6 +81,11 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # They fail alone; the rest of the batch is unharmed.
     failed: dict[str, str] = {}
 
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        """A step that sampled nothing: bookkeeping only, or a rank other than the driver."""
+        return cls(sampled={})
+
 
 class HiddenStates(msgspec.Struct, kw_only=True):
     """What one pipeline stage hands the next: hidden states and residual, as raw bytes."""
@@ -88,6 +94,17 @@ class HiddenStates(msgspec.Struct, kw_only=True):
     dtype: str
     hidden: bytes
     residual: bytes
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """What a worker actor is created with: the engine's config and its place in the grid."""
+
+    config: EngineConfig
+    num_blocks: int
+    eos_token_ids: list[int]
+    tp_rank: int
+    pp_rank: int
+    num_threads: int
 
 
 class EngineOutput(msgspec.Struct, kw_only=True):
@@ -106,3 +123,10 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     # Speculative decoding this step: drafts verified and how many of them the target accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+
+class OutputBatch(msgspec.Struct, kw_only=True):
+    """Every delta published after the client's acknowledged batch, up to batch `last`."""
+
+    last: int
+    outputs: list[EngineOutput]

@@ -4,6 +4,7 @@ its own module so Ray's actor process imports it by name."""
 from __future__ import annotations
 
 from cadenza.actors.engine_actor import EngineActor
+from cadenza.messages import EngineRequest
 
 BREAK_SCHEDULER = "break-the-scheduler"  # a request with this id makes schedule() raise
 BREAK_FOR_GOOD = "break-for-good"  # ... and the scheduler's invariants fail too
@@ -29,7 +30,7 @@ class SchedulerBreaksEngine(EngineActor):
         scheduler.schedule, scheduler.check_invariants = broken_schedule, broken_check
         return max_len
 
-    async def add_request(self, request: bytes) -> str | None:
-        if BREAK_FOR_GOOD.encode() in request:
+    async def add_request(self, request: EngineRequest) -> str | None:
+        if BREAK_FOR_GOOD in request.request_id:
             self.broken_for_good = True
         return await super().add_request(request)

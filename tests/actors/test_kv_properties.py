@@ -297,7 +297,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Write each scheduled position's KV, check every attended position holds KV of the
         request's own prefix, and sample once a request has computed all its known tokens."""
-        out = ModelRunnerOutput(sampled={}, failed={})
+        out = ModelRunnerOutput.empty()
         for rid, n in so.num_scheduled_tokens.items():
             copy = self.runner[rid]
             keys = prefix_keys(copy.token_ids)

@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 
-import msgspec
 import pytest
 
 from cadenza import LLM, AsyncLLM, SamplingParams
@@ -111,7 +110,7 @@ def test_poison_requests_fail_alone_beside_a_live_stream(
             await _collect(tiny_async, ids, params)
         # The engine refuses it too, for a client that skips the client-side check.
         raw = EngineRequest(request_id="raw-poison", prompt_token_ids=ids, sampling_params=params)
-        refused = await tiny_async.engine.add_request.remote(msgspec.msgpack.encode(raw))
+        refused = await tiny_async.engine.add_request.remote(raw)
         assert refused is not None and message in refused
         tokens, last = await live
         assert tokens == expected and last.outputs[0].finish_reason == "length"
