@@ -37,7 +37,7 @@ class AsyncLLM(StreamingClient):
     """Engine arguments are EngineConfig's (including tensor_parallel_size,
     pipeline_parallel_size, num_cpus_per_worker, num_gpus_per_worker)."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", seed: int = 0, **engine_args: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
         super().__init__()
         self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
         path, self.model_config = read_model(model)

@@ -18,7 +18,7 @@ from cadenza.actors.scheduler import Scheduler
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, SchedulerOutput
 from cadenza.models.config import ModelConfig
-from cadenza.models.loader import LoadedModel
+from cadenza.models.loader import LoadedModel, planned_weights_label
 from cadenza.request_limits import check_request, max_tokens_to_fill
 from cadenza.stats import EngineStats
 
@@ -34,7 +34,7 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig) -> int:
     whatever the number of workers that share it."""
     if config.num_blocks is not None:
         return config.num_blocks
-    dtype_size = config.torch_dtype.itemsize
+    dtype_size = config.weight_format.compute_dtype.itemsize
     return max(config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype_size), 1)
 
 
@@ -64,6 +64,9 @@ class EngineCore:
         self.limits = config.request_limits(model_config.vocab_size, max_model_len)
         self.runner = runner
         self._arrivals = 0
+        fmt = config.weight_format
+        compute = str(fmt.compute_dtype).removeprefix("torch.")
+        self.formats = (planned_weights_label(config.model, fmt), fmt.dtype, compute)
 
     @classmethod
     def in_process(cls, config: EngineConfig, loaded: LoadedModel) -> EngineCore:
@@ -138,4 +141,4 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler
         spec = s.spec_stats if s.spec is not None else None
-        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec)
+        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec, *self.formats)

@@ -34,13 +34,13 @@ log = logging.getLogger(__name__)
 class InProcessClient(StreamingClient):
     """Engine arguments are EngineConfig's; tensor and pipeline parallelism need AsyncLLM."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", seed: int = 0, **engine_args: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
         super().__init__()
         self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
         if self.config.world_size != 1:
             raise ValueError("the in-process engine runs one worker; tensor / pipeline parallelism needs AsyncLLM")
         torch.manual_seed(seed)
-        loaded = load_model(model, self.config.torch_dtype, self.config.device, self.config.max_model_len)
+        loaded = load_model(model, self.config.weight_format, self.config.device, self.config.max_model_len)
         self.tokenizer = loaded.tokenizer
         self.core = EngineCore.in_process(self.config, loaded)
         self.max_model_len = self.core.max_model_len

@@ -26,10 +26,10 @@ class LLM:
     max_num_batched_tokens, enable_prefix_caching, max_model_len, num_blocks, kv_cache_memory,
     scheduling_policy) are EngineConfig's."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", seed: int = 0, **engine_args: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
         torch.manual_seed(seed)
-        loaded = load_model(model, self.config.torch_dtype, self.config.device, self.config.max_model_len)
+        loaded = load_model(model, self.config.weight_format, self.config.device, self.config.max_model_len)
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         self.engine = EngineCore.in_process(self.config, loaded)
         self._next_id = 0

@@ -19,7 +19,7 @@ def build_proposer(config: EngineConfig, target: ModelConfig, max_model_len: int
     if spec.method == "ngram":
         return NgramProposer(spec)
     device = "cuda" if config.device.startswith("cuda") else config.device
-    draft = load_model(spec.model, config.torch_dtype, device).model
+    draft = load_model(spec.model, config.weight_format, device).model
     _check_compatible(spec.model, draft.cfg, target, max_model_len)
     if spec.draft_num_layers is not None:
         # A truncated copy: the first layers, then the model's own norm and head.

@@ -7,7 +7,9 @@ Plain class here; cadenza.actors.executor wraps it with ray.remote and its resou
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 import os
 import socket
 import threading
@@ -23,11 +25,24 @@ from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, W
 from cadenza.models.loader import load_model
 from cadenza.models.shard import shard_model
 from cadenza.models.tp import SINGLE, TPGroup
+from cadenza.weight_format import WeightFormat
 
 # What one worker hands on from a step: HiddenStates from a stage before the last (the next
 # stage's input), the ModelRunnerOutput from the driver (the last stage's TP rank 0), and None
 # from every other rank, whose output nobody reads.
 StageOutput = ModelRunnerOutput | HiddenStates | None
+
+
+log = logging.getLogger(__name__)
+
+
+def _sliceable(fmt: WeightFormat, tp_size: int) -> WeightFormat:
+    """Tensor parallelism slices dense weights (on-load int8 / int4 quantize each slice after):
+    a GGUF's kept blocks are expanded to the dense dtype there, and the log says so."""
+    if tp_size == 1 or not fmt.keep_gguf:
+        return fmt
+    log.warning("tensor_parallel_size=%d: GGUF blocks are expanded to %s to be sliced", tp_size, fmt.dtype)
+    return dataclasses.replace(fmt, keep_gguf=False)
 
 
 class Worker:
@@ -55,7 +70,7 @@ class Worker:
         torch.manual_seed(cfg.seed)
         tp = self._join_group(dist_url) if cfg.tensor_parallel_size > 1 else SINGLE
         device = "cuda" if cfg.device.startswith("cuda") else cfg.device
-        loaded = load_model(cfg.model, cfg.torch_dtype, device, cfg.max_model_len)
+        loaded = load_model(cfg.model, _sliceable(cfg.weight_format, tp.size), device, cfg.max_model_len)
         model = shard_model(loaded.model, tp, spec.pp_rank, cfg.pipeline_parallel_size)
         is_driver = tp.rank == 0 and model.is_last_stage
         eos = tuple(spec.eos_token_ids)

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from cadenza.kernels.quant.weight import PackedWeight
 
 DTYPES = {"bf16": [torch.bfloat16], "fp16": [torch.float16], "both": [torch.bfloat16, torch.float16]}
 MAX_DECODE_TOKENS = 1 << 20
@@ -248,37 +254,77 @@ def _sdpa_baseline(
 
 
 def gemm_cases(plan: Plan, dtype: torch.dtype, dev: torch.device) -> Iterator[Case]:
-    """W8A16 and W4A16 at K = N = plan.gemm_kn; torch multiplies by the dequantized weight."""
-    from cadenza.kernels import quant_gemm as qg
+    """The packed-weight GEMMs at K = N = plan.gemm_kn: on-load int8 (per channel) and int4
+    (per group), and GGUF's Q8_0 / Q4_0 / Q4_1 blocks; torch multiplies by the dequantized
+    weight. Each weight is built when its cases are reached, so one is resident at a time."""
+    from cadenza.kernels.quant.quantize import quantize_int4, quantize_int8
 
-    kn = plan.gemm_kn
-    weight = (torch.randn(kn, kn, device=dev) * 0.02).to(dtype)
-    w8 = qg.quantize_w8(weight)
-    w8_deq = qg.dequantize_w8(*w8).to(dtype)
-    for m in plan.gemm_m:
-        x = torch.randn(m, kn, device=dev, dtype=dtype)
-        yield Case(
-            kernel="w8a16_matmul",
-            shape={"m": m, "k": kn, "n": kn},
-            run=lambda x=x: qg.w8a16_matmul_triton(x, *w8),
-            ref=lambda x=x: qg.w8a16_matmul_ref(x, *w8),
-            exact=lambda x=x: x.float() @ qg.dequantize_w8(*w8).T,
-            baseline=lambda x=x: x @ w8_deq.T,
-            bytes=kn * kn + 2 * m * kn * x.element_size(),
-            flops=2 * m * kn * kn,
-        )
+    weight = torch.randn(plan.gemm_kn, plan.gemm_kn, device=dev) * 0.02
+    yield from _packed_cases("w8a16_matmul", {}, quantize_int8(weight), plan.gemm_m, dtype)
     for g in plan.group_sizes:
-        w4 = qg.quantize_w4(weight, g)
-        w4_deq = qg.dequantize_w4(*w4, g).to(dtype)
-        for m in plan.gemm_m:
-            x = torch.randn(m, kn, device=dev, dtype=dtype)
-            yield Case(
-                kernel="w4a16_matmul",
-                shape={"m": m, "k": kn, "n": kn, "group_size": g},
-                run=lambda x=x, w4=w4, g=g: qg.w4a16_matmul_triton(x, *w4, g),
-                ref=lambda x=x, w4=w4, g=g: qg.w4a16_matmul_ref(x, *w4, g),
-                exact=lambda x=x, w4=w4, g=g: x.float() @ qg.dequantize_w4(*w4, g).T,
-                baseline=lambda x=x, w=w4_deq: x @ w.T,
-                bytes=sum(t.numel() * t.element_size() for t in w4) + 2 * m * kn * x.element_size(),
-                flops=2 * m * kn * kn,
-            )
+        yield from _packed_cases("w4a16_matmul", {"group_size": g}, quantize_int4(weight, g), plan.gemm_m, dtype)
+    for type_name in GGUF_TYPES:
+        yield from _packed_cases("gguf_matmul", {"type": type_name}, gguf_weight(type_name, weight), plan.gemm_m, dtype)
+
+
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Typical magnitudes of a block's fp16 scale (and Q4_1's min) for weights of std 0.02.
+_RANDOM_BLOCK_SCALE = {"Q8_0": 5e-4, "Q4_0": 8e-3, "Q4_1": 4e-3}
+
+
+def gguf_weight(type_name: str, weight: torch.Tensor) -> PackedWeight:
+    """weight [rows, cols] as GGUF blocks of the type (gguf's own quantizer), split into a
+    PackedWeight on weight's device; random blocks where this gguf cannot write the type."""
+    import numpy as np
+
+    from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
+
+    rows, cols = weight.shape
+    try:
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[type_name]
+        raw = gguf.quants.quantize(np.ascontiguousarray(weight.float().cpu().numpy()), qtype)
+    except (ImportError, AttributeError, KeyError, NotImplementedError):
+        raw = random_gguf_blocks(type_name, rows, cols)
+    return packed_from_gguf(type_name, raw, rows, cols).to(weight.device)
+
+
+def random_gguf_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, cols / 32 * block bytes]: random codes under fp16 scales (and mins) of
+    weights of std ~0.02, laid out as GGUF's Q8_0 / Q4_0 / Q4_1 blocks."""
+    import numpy as np
+
+    rng, n = np.random.default_rng(seed), rows * cols // 32
+
+    def fp16(magnitude: float) -> np.ndarray:
+        return (rng.uniform(0.5, 1.5, (n, 1)) * magnitude).astype(np.float16).view(np.uint8)
+
+    scale = _RANDOM_BLOCK_SCALE[type_name]
+    if type_name == "Q8_0":
+        parts = [fp16(scale), rng.integers(-127, 128, (n, 32), dtype=np.int8).view(np.uint8)]
+    else:
+        mins = [fp16(-7.5 * scale)] if type_name == "Q4_1" else []
+        parts = [fp16(scale), *mins, rng.integers(0, 256, (n, 16), dtype=np.uint8)]
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def _packed_cases(
+    kernel: str, shape: dict[str, object], w: PackedWeight, ms: tuple[int, ...], dtype: torch.dtype
+) -> Iterator[Case]:
+    from cadenza.kernels.quant.dequantize import dequantize
+    from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+
+    dense = dequantize(w).to(dtype)
+    for m in ms:
+        x = torch.randn(m, w.cols, device=w.device, dtype=dtype)
+        yield Case(
+            kernel=kernel,
+            shape={"m": m, "k": w.cols, "n": w.rows, **shape},
+            run=lambda x=x: packed_matmul_triton(x, w),
+            ref=lambda x=x: packed_matmul_ref(x, w),
+            exact=lambda x=x: x.float() @ dequantize(w).T,
+            baseline=lambda x=x: x @ dense.T,
+            bytes=w.nbytes + m * (w.cols + w.rows) * x.element_size(),
+            flops=2 * m * w.cols * w.rows,
+        )

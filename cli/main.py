@@ -97,6 +97,13 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_formats(args: argparse.Namespace) -> int:
+    from cadenza.benchmarks.formats import run_formats_bench
+
+    run_formats_bench(args)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from cadenza.gateway.server import run_server
 
@@ -157,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_spec_args(spec)
     spec.set_defaults(func=cmd_bench_spec)
+    formats = bench_sub.add_parser("formats", help="one model in each weight format: decode, TTFT, batch, bytes")
+    from cadenza.benchmarks.formats import add_formats_args
+
+    add_formats_args(formats)
+    formats.set_defaults(func=cmd_bench_formats)
     return parser
 
 

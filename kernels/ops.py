@@ -9,8 +9,8 @@ as one call each rather than 3-8 small torch ops (it is the default only where a
 builds them). `triton` on the CPU runs the kernels under the Triton interpreter (start the
 process with TRITON_INTERPRET=1).
 Every op has both: paged attention (attention/dispatch.py) runs the split-KV decode kernel
-and the varlen extend kernel on `triton`; the weight-only quantized GEMMs (W8A16, W4A16)
-dequantize in registers.
+and the varlen extend kernel on `triton`; the GEMM over a packed q8 / q4 weight
+(quant/triton_gemm.py) dequantizes in registers.
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ from cadenza.kernels.backend import backend, default_backend, runs_native
 from cadenza.kernels.cpu.elementwise import fused_add_rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
 from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
 from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
-from cadenza.kernels.quant_gemm import (
-    w4a16_matmul_ref,
-    w4a16_matmul_triton,
-    w8a16_matmul_ref,
-    w8a16_matmul_triton,
-)
+from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.kernels.rotary import rotary_ref, rotary_triton
 
 __all__ = [
-    "backend", "default_backend", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
-    "w4a16_matmul", "w8a16_matmul", "write_kv",
+    "backend", "default_backend", "fused_add_rms_norm", "packed_matmul", "paged_attention", "rms_norm", "rotary",
+    "silu_and_mul", "write_kv",
 ]  # fmt: skip
 
 
@@ -80,15 +76,8 @@ def write_kv(
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
-def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) for a q8 / q4 PackedWeight, in x's dtype."""
     if backend() == "triton":
-        return w8a16_matmul_triton(x, qweight, scales)
-    return w8a16_matmul_ref(x, qweight, scales)
-
-
-def w4a16_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    if backend() == "triton":
-        return w4a16_matmul_triton(x, packed, scales, zeros, group_size)
-    return w4a16_matmul_ref(x, packed, scales, zeros, group_size)
+        return packed_matmul_triton(x, w, bias)
+    return packed_matmul_ref(x, w, bias)

@@ -1,4 +1,5 @@
-"""GGUF files: config from metadata, tensors dequantized to HF names and layouts."""
+"""GGUF files: config from metadata, tensors under HF names and layouts, kept in their
+stored format (kernels/quant/gguf_blocks.py) or dequantized to fp32."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import gguf
 import numpy as np
 import torch
 
+from cadenza.kernels.quant.gguf_blocks import KEPT_TYPES, packed_from_gguf
+from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
@@ -114,8 +117,12 @@ def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def iter_gguf_tensors(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named fp32 tensors. llama.cpp permutes Llama's Q/K rows for its RoPE; undo that here."""
+def iter_gguf_tensors(
+    reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, keep: bool = False
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """HF-named tensors: fp32, or with `keep` every 2-D tensor of a type in KEPT_TYPES as a
+    PackedWeight of its stored bytes. llama.cpp permutes Llama's Q/K rows for its RoPE; undo
+    that here (on the rows, which blocks never cross)."""
     permuted = cfg.architecture != "Qwen2ForCausalLM"
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -123,12 +130,23 @@ def iter_gguf_tensors(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path) -> 
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
         name = hf_name(t.name, path)
-        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+        heads = None
         if permuted and t.name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if keep and len(shape) == 2 and t.tensor_type.name in KEPT_TYPES:
+            packed = packed_from_gguf(t.tensor_type.name, t.data, *shape)
+            yield name, packed if heads is None else packed.take_rows(unpermute_index(shape[0], heads))
+            continue
+        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if heads is not None:
             array = unpermute_rows(array, heads)
         yield name, torch.from_numpy(np.array(array, copy=True))
+
+
+def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
+    """The row order unpermute_rows produces, as indices into the stored rows."""
+    return torch.from_numpy(unpermute_rows(np.arange(rows), num_heads).copy())
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

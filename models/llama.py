@@ -15,9 +15,14 @@ from cadenza.kernels import ops
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.cpu.decode_stack import DecodeLayer, DecodeStackKernel, DecodeStackShape, bind_decode_stack
 from cadenza.kernels.linear import LinearMethod, choose_linear_method, dense_linear
+from cadenza.kernels.linear.packed import PackedLinear
+from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
+from cadenza.models.embedding import PackedEmbedding
+from cadenza.models.packing import pack_linear, pack_weight, packs_embedding
 from cadenza.models.rope import cos_sin_cache
 from cadenza.models.tp import SINGLE, TPGroup
+from cadenza.weight_format import WeightFormat
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -28,7 +33,11 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        # Set instead of weight_t when the weight arrives packed (a GGUF's blocks kept as
+        # stored), or when prepare_kernels packs it: one part, or several by rows.
+        self.packed: list[PackedWeight] | None = None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         # Row-parallel under tensor parallelism: partial sums are all-reduced across ranks.
         self.reduce: TPGroup = SINGLE
@@ -40,6 +49,11 @@ class Linear(nn.Module):
 
     def weight_bytes(self) -> int:
         return self.weight_t.nbytes if self.method is None else self.method.weight_bytes()
+
+    def set_packed(self, parts: list[PackedWeight]) -> None:
+        """Hold W as packed parts from now on; the dense weight_t is released (one copy)."""
+        self.packed = parts
+        self.weight_t = nn.Parameter(torch.empty(0, device=parts[0].device), requires_grad=False)
 
 
 class Attention(nn.Module):
@@ -134,6 +148,11 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start = 0  # this rank's first vocab row (vocab-parallel embedding)
         # All of this stage's layers in one C call for one-token steps on the CPU (prepare_kernels).
         self.decode_stack: DecodeStackKernel | None = None
+        # How the weights are kept (set by the loader) and, when the file stores the embedding
+        # packed, that table until prepare_kernels builds its lookup.
+        self.weight_format = WeightFormat()
+        self.weights_label = "float32"
+        self.packed_embedding: PackedWeight | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -178,12 +197,16 @@ class LlamaForCausalLM(nn.Module):
         return logits[:, : self.cfg.vocab_size]
 
     def prepare_kernels(self) -> None:
-        """Once loaded and sharded: each projection's LinearMethod, and on the CPU in fp32 (TP 1)
-        the C decode stack: one-token steps then run all layers in csrc/decode_layer.c, the
-        same math as DecoderLayer.forward with ~60 fewer torch calls a layer."""
+        """Once loaded and sharded: each projection's storage in the weight format and its
+        LinearMethod, the embedding's storage, and on the CPU (TP 1) the C decode stack:
+        one-token steps then run all layers in csrc/decode_layer.c, the same math as
+        DecoderLayer.forward with ~60 fewer torch calls a layer."""
+        fmt = self.weight_format
         for module in self.modules():
             if isinstance(module, Linear):
-                module.method = choose_linear_method(module.weight_t)
+                pack_linear(module, fmt, is_head=module is self.lm_head)
+                module.method = choose_linear_method(module.packed or module.weight_t)
+        self._prepare_embedding()
         if self.tp.size == 1:  # the C stack has no all-reduce: tensor-parallel layers run op by op
             cfg = self.cfg
             shape = DecodeStackShape(
@@ -192,11 +215,32 @@ class LlamaForCausalLM(nn.Module):
             )  # fmt: skip
             self.decode_stack = bind_decode_stack([layer.decode_layer() for layer in self.layers], shape)
 
+    def _prepare_embedding(self) -> None:
+        """The embedding reads the LM head's storage when they are tied (one copy), else its own
+        packed table (a GGUF's, or packed as the format says); fp32 stays an nn.Embedding."""
+        head = self.lm_head.method
+        if self.cfg.tie_word_embeddings and self.is_first_stage and self.is_last_stage and self.tp.size == 1:
+            if head is not None and head.packed() is not None:
+                self.embed_tokens = PackedEmbedding(head.packed(), head.gather_rows)
+            elif head is not None and head.fp32_rows() is not None:
+                self.embed_tokens.weight = nn.Parameter(head.fp32_rows(), requires_grad=False)
+            self.packed_embedding = None
+            return
+        table = self.packed_embedding
+        if table is None and self.is_first_stage and packs_embedding(self.weight_format, self.embed_tokens.weight):
+            table = pack_weight(self.embed_tokens.weight.detach(), self.weight_format, is_head=True)
+        if table is not None:
+            self.embed_tokens = PackedEmbedding(table, PackedLinear(table).gather_rows)
+        self.packed_embedding = None
+
     def weight_bytes(self) -> int:
         """Bytes of distinct weights (a tied lm_head counted once): what a decode step streams.
         Projections count what their methods store, whatever the format."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         dense = {id(linear.weight_t) for linear in linears}
-        total = sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in dense)
+        params = {id(p): p for p in self.parameters() if id(p) not in dense}  # a shared table counts once
+        total = sum(p.numel() * p.element_size() for p in params.values())
         total += sum(linear.weight_bytes() for linear in linears)
+        if isinstance(self.embed_tokens, PackedEmbedding):
+            total += self.embed_tokens.weight_bytes()
         return total - (self.lm_head.weight_bytes() if self.cfg.tie_word_embeddings else 0)

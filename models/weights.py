@@ -1,4 +1,10 @@
-"""Build a model and fill it from HF-named tensors, whatever file format they came from."""
+"""Build a model and fill it from HF-named tensors, whatever file format they came from.
+
+Tensors arrive dense (torch tensors) or packed (kernels.quant PackedWeight: a GGUF's blocks
+kept as stored). A projection's dense weight is allocated only when its first dense part
+arrives, so a packed file never holds an fp32 copy of its projections; packed parts of a
+fused projection (q|k|v, gate|up) are stacked once all have arrived.
+"""
 
 from __future__ import annotations
 
@@ -6,56 +12,115 @@ import re
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
+from cadenza.kernels.quant.weight import PackedWeight, cat_rows
 from cadenza.models.config import ModelConfig
-from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.llama import Linear, LlamaForCausalLM
 from cadenza.models.rope import cos_sin_cache
+from cadenza.weight_format import WeightFormat
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = ("rotary_emb.inv_freq",)
+Loaded = torch.Tensor | PackedWeight
+EMBED = "model.embed_tokens.weight"
 
 
 def build_model(
-    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str, max_positions: int
+    cfg: ModelConfig, tensors: Iterable[tuple[str, Loaded]], fmt: WeightFormat, device: str, max_positions: int
 ) -> LlamaForCausalLM:
     """Allocate without initialising (meta device), then copy every weight exactly once."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize_small(model, fmt.compute_dtype, device)
     model.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
-    filled: set[str] = set()
+    model.weight_format = fmt
+    loader = _Loader(model, cfg, fmt.compute_dtype, device)
     for name, tensor in tensors:
-        _load_one(model, cfg, name, tensor, filled)
-    _check_complete(model, filled)
+        loader.load(name, tensor)
+    loader.finish()
+    _check_complete(model, loader.filled)
     return model.eval()
 
 
-def _load_one(model: LlamaForCausalLM, cfg: ModelConfig, name: str, tensor: torch.Tensor, filled: set[str]) -> None:
-    if name.endswith(_IGNORED) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-        return
-    _copy(model, cfg, name, tensor)
-    if name == "model.embed_tokens.weight" and cfg.tie_word_embeddings:
-        _copy(model, cfg, "lm_head.weight", tensor)
-    filled.add(name)
+def _materialize_small(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
+    """Every parameter but the projections' and the embedding's weights, which stay on the
+    meta device until their data arrives (dense) or are replaced (packed)."""
+    lazy = {id(m.weight_t) for m in model.modules() if isinstance(m, Linear)} | {id(model.embed_tokens.weight)}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in lazy:
+                setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False))
 
 
-def _copy(model: LlamaForCausalLM, cfg: ModelConfig, name: str, tensor: torch.Tensor) -> None:
-    target, offset = _target(model, cfg, name)
-    # Linear weights live transposed ([in, out]); viewing them as [out, in] keeps HF's row offsets.
-    view = target.data.t() if target.dim() == 2 and name != "model.embed_tokens.weight" else target.data
-    destination = view if offset is None else view[offset : offset + tensor.shape[0]]
-    if destination.shape != tensor.shape:
-        raise ValueError(f"weight {name}: expected shape {tuple(destination.shape)}, got {tuple(tensor.shape)}")
-    destination.copy_(tensor)
+class _Loader:
+    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, dtype: torch.dtype, device: str) -> None:
+        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        self.filled: set[str] = set()
+        self.parts: dict[Linear, list[tuple[int, PackedWeight]]] = {}
+
+    def load(self, name: str, tensor: Loaded) -> None:
+        if name.endswith(_IGNORED) or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            return
+        self._put(name, tensor)
+        if name == EMBED and self.cfg.tie_word_embeddings:
+            self._put("lm_head.weight", tensor)  # dense: its own copy, which its method may re-lay out
+        self.filled.add(name)
+
+    def _put(self, name: str, tensor: Loaded) -> None:
+        module, attribute, offset = _target(self.model, self.cfg, name)
+        if isinstance(tensor, PackedWeight):
+            self._put_packed(module, name, tensor.to(self.device), offset)
+            return
+        param = getattr(module, attribute)
+        if param.is_meta:
+            param = nn.Parameter(torch.empty(param.shape, dtype=self.dtype, device=self.device), False)
+            setattr(module, attribute, param)
+        # Linear weights live transposed ([in, out]); viewing them as [out, in] keeps HF's row offsets.
+        view = param.data.t() if isinstance(module, Linear) and attribute == "weight_t" else param.data
+        destination = view if offset is None else view[offset : offset + tensor.shape[0]]
+        if destination.shape != tensor.shape:
+            raise ValueError(f"weight {name}: expected shape {tuple(destination.shape)}, got {tuple(tensor.shape)}")
+        destination.copy_(tensor)
+
+    def _put_packed(self, module: nn.Module, name: str, weight: PackedWeight, offset: int | None) -> None:
+        if module is self.model.embed_tokens:
+            self.model.packed_embedding = weight  # the model builds its lookup in prepare_kernels
+            return
+        if not isinstance(module, Linear):
+            raise ValueError(f"weight {name}: a packed tensor for a {type(module).__name__}")
+        if weight.cols != module.in_features:
+            raise ValueError(f"weight {name}: expected {module.in_features} input features, got {weight.cols}")
+        self.parts.setdefault(module, []).append((offset or 0, weight))
+
+    def finish(self) -> None:
+        """Stack each projection's packed parts (in row order) and check they cover it."""
+        for linear, parts in self.parts.items():
+            parts.sort(key=lambda part: part[0])
+            if sum(w.rows for _, w in parts) != linear.out_features:
+                raise ValueError(f"packed parts cover {sum(w.rows for _, w in parts)} of {linear.out_features} rows")
+            linear.set_packed(_merge([w for _, w in parts]))
 
 
-def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[torch.Tensor, int | None]:
-    """The parameter an HF tensor goes to, and its row offset inside a fused one."""
-    top = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm}
-    if name in top:
-        return top[name], None
+def _merge(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Runs of parts in one format stacked into one weight: usually a single part results."""
+    merged: list[list[PackedWeight]] = []
+    for part in parts:
+        if merged and (merged[-1][0].kind, merged[-1][0].group) == (part.kind, part.group):
+            merged[-1].append(part)
+        else:
+            merged.append([part])
+    return [run[0] if len(run) == 1 else cat_rows(run) for run in merged]
+
+
+def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[nn.Module, str, int | None]:
+    """The module and attribute an HF tensor goes to, and its row offset inside a fused one."""
+    if name == EMBED:
+        return model.embed_tokens, "weight", None
+    if name == "model.norm.weight":
+        return model, "norm", None
     if name == "lm_head.weight":
-        return model.lm_head.weight_t, None
+        return model.lm_head, "weight_t", None
     match = _LAYER.fullmatch(name)
     if not match or int(match.group(1)) >= cfg.num_layers:
         raise ValueError(f"unexpected weight {name!r}")
@@ -63,7 +128,7 @@ def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[torch
     return _layer_target(layer, cfg, rest, name)
 
 
-def _layer_target(layer: torch.nn.Module, cfg: ModelConfig, rest: str, name: str) -> tuple[torch.Tensor, int | None]:
+def _layer_target(layer: nn.Module, cfg: ModelConfig, rest: str, name: str) -> tuple[nn.Module, str, int | None]:
     proj, _, kind = rest.rpartition(".")
     attn, mlp = layer.self_attn, layer.mlp
     fused = {
@@ -78,16 +143,16 @@ def _layer_target(layer: torch.nn.Module, cfg: ModelConfig, rest: str, name: str
     attribute = "weight_t" if kind == "weight" else kind
     if proj in fused and getattr(fused[proj][0], attribute, None) is not None:
         module, offset = fused[proj]
-        return getattr(module, attribute), offset
+        return module, attribute, offset
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-        return getattr(layer, rest.split(".")[0]), None
+        return layer, rest.split(".")[0], None
     raise ValueError(f"unexpected weight {name!r}")
 
 
 def _check_complete(model: LlamaForCausalLM, filled: set[str]) -> None:
     """Every expected HF tensor must have arrived; a missing one would leave garbage memory."""
     cfg = model.cfg
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    expected = {EMBED, "model.norm.weight"}
     if not cfg.tie_word_embeddings:
         expected.add("lm_head.weight")
     for i in range(cfg.num_layers):

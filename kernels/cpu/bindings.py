@@ -107,6 +107,27 @@ GEMV_ROWS = CFunction(
     ),
     None,
 )  # fmt: skip
+PACKED_LINEAR = CFunction(
+    "packed_linear",
+    "packed_linear",
+    (
+        ("w", POINTER), ("x", POINTER), ("bias", POINTER), ("y", POINTER), ("m_dim", I64),
+        ("num_threads", I32),
+    ),
+    None,
+)  # fmt: skip
+PACKED_DEQUANTIZE = CFunction(
+    "packed_linear",
+    "packed_dequantize",
+    (("w", POINTER), ("start", I64), ("end", I64), ("out", POINTER), ("num_threads", I32)),
+    None,
+)
+PACKED_GATHER_ROWS = CFunction(
+    "packed_linear",
+    "packed_gather_rows",
+    (("w", POINTER), ("ids", POINTER), ("n_ids", I64), ("out", POINTER), ("num_threads", I32)),
+    None,
+)
 DECODE_LAYER_SCRATCH = CFunction("decode_layer", "decode_layer_scratch", (("dims", POINTER),), ctypes.c_int64)
 DECODE_LAYERS = CFunction(
     "decode_layer",
@@ -120,7 +141,8 @@ DECODE_LAYERS = CFunction(
     ctypes.c_int,
 )  # fmt: skip
 FUNCTIONS = (
-    PAGED_DECODE_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
+    PAGED_DECODE_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR, PACKED_DEQUANTIZE,
+    PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
 )  # fmt: skip
 
 

@@ -2,8 +2,8 @@
 
 One-token steps on the CPU run the same math as the model's DecoderLayer.forward with ~60
 fewer torch calls a layer and one ctypes call a step. The model names each layer's weights
-by role (DecodeLayer); bind_decode_stack lays them out in the C kernel's order, and only
-where every projection is plain fp32 [out, in] rows (LinearMethod.fp32_rows).
+by role (DecodeLayer); bind_decode_stack lays them out in the C kernel's order, where every
+projection has a C binding (LinearMethod.c_weight: fp32 rows or any packed format).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from cadenza.kernels.cpu.bindings import DECODE_LAYER_SCRATCH, DECODE_LAYERS, DecodeDim, DecodeWeight
 from cadenza.kernels.cpu.gemv import gemv_available
+from cadenza.kernels.cpu.packed import BoundWeight
 from cadenza.kernels.linear.base import LinearMethod
 
 
@@ -50,7 +51,7 @@ def decode_layers_available() -> bool:
 
 def bind_decode_stack(layers: list[DecodeLayer], shape: DecodeStackShape) -> DecodeStackKernel | None:
     """The stage's layers bound for the C kernel, or None where it cannot run them: a
-    projection that is not plain fp32 rows (another device, dtype or storage), or no build."""
+    projection without a C binding (another device, stacked formats), or no build."""
     weights = [_in_kernel_order(layer) for layer in layers]
     if not weights or any(w is None for w in weights):
         return None
@@ -62,17 +63,20 @@ def bind_decode_stack(layers: list[DecodeLayer], shape: DecodeStackShape) -> Dec
         DecodeDim.D_HEADS: shape.heads,
         DecodeDim.D_KV_HEADS: shape.kv_heads,
         DecodeDim.D_HEAD_DIM: shape.head_dim,
-        DecodeDim.D_INTER: weights[0][DecodeWeight.W_DOWN].shape[1],
+        DecodeDim.D_INTER: weights[0][DecodeWeight.W_DOWN].weight.cols,
         DecodeDim.D_BLOCK_SIZE: 0,  # the KV cache's, known at the first call
     }
     return DecodeStackKernel(weights, dims, shape.eps, shape.scale)
 
 
-def _in_kernel_order(layer: DecodeLayer) -> list[torch.Tensor | None] | None:
-    rows = [method.fp32_rows() for method in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if any(r is None for r in rows):
+Slot = torch.Tensor | BoundWeight | None
+
+
+def _in_kernel_order(layer: DecodeLayer) -> list[Slot] | None:
+    bound = [method.c_weight() for method in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if any(b is None for b in bound):
         return None
-    qkv, o, gate_up, down = rows
+    qkv, o, gate_up, down = bound
     by_slot = {
         DecodeWeight.W_LN1: layer.input_norm,
         DecodeWeight.W_LN2: layer.post_attention_norm,
@@ -83,27 +87,32 @@ def _in_kernel_order(layer: DecodeLayer) -> list[torch.Tensor | None] | None:
         DecodeWeight.W_GATE_UP: gate_up,
         DecodeWeight.W_DOWN: down,
     }
-    return [None if by_slot[slot] is None else by_slot[slot].detach() for slot in DecodeWeight]
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in (by_slot[slot] for slot in DecodeWeight)]
 
 
-def _pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+def _address(slot: Slot) -> int | None:
+    if slot is None:
+        return None
+    return slot.address if isinstance(slot, BoundWeight) else slot.data_ptr()
+
+
+def _pointers(slots: list[Slot]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(slots))(*[_address(t) for t in slots])
 
 
 class DecodeStackKernel:
     """A run of decoder layers' weights, bound for csrc/decode_layer.c (one token, fp32, TP 1).
 
-    `layers[l]` holds layer l's weights in DecodeWeight order, all contiguous fp32 CPU. The
-    tensors are kept here, so the pointers stay valid as long as this object lives."""
+    `layers[l]` holds layer l's weights in DecodeWeight order: the projections bound (any
+    format), the norms and biases contiguous fp32 CPU. They are kept here, so the pointers
+    stay valid as long as this object lives."""
 
-    def __init__(
-        self, layers: list[list[torch.Tensor | None]], dims: dict[DecodeDim, int], eps: float, scale: float
-    ) -> None:
+    def __init__(self, layers: list[list[Slot]], dims: dict[DecodeDim, int], eps: float, scale: float) -> None:
         if not decode_layers_available():
             raise RuntimeError("the CPU decode-layer kernel is not built (see the log for why)")
-        for t in (t for weights in layers for t in weights):
-            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
-                raise ValueError("the decode-layer kernel takes contiguous fp32 CPU weights")
+        for t in (t for weights in layers for t in weights if isinstance(t, torch.Tensor)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("the decode-layer kernel takes contiguous fp32 CPU norms and biases")
         self.layers, self.eps, self.scale = layers, eps, scale
         self.pointers = _pointers([t for weights in layers for t in weights])
         self.dims = (ctypes.c_int64 * len(DecodeDim))(*[dims[d] for d in DecodeDim])

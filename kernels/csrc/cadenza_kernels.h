@@ -29,13 +29,31 @@ void silu_and_mul(const float *x, float *out, int64_t rows, int64_t inter, int n
 void gemv_rows(const float *x, const float *w, const float *bias, float *y, int64_t m_dim,
                int64_t k_dim, int64_t n_dim, int num_threads);
 
+/* packed_linear.c: W in its stored format (kernels/quant/weight.py); kind is an enum
+ * weight_kind, in KINDS' order there. group: elements per scale (q8, q4). */
+enum weight_kind { WK_F32, WK_BF16, WK_F16, WK_Q8, WK_Q4, WK_Q4_K, WK_Q6_K };
+struct packed_weight {
+    int64_t kind, rows, cols, group;
+    const void *data, *scales, *mins;
+};
+/* y [m, rows] = x [m, cols] W^T (+ b). */
+void packed_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
+                   int num_threads);
+/* Rows [start, end) of W as fp32 into out [end - start, cols]. */
+void packed_dequantize(const struct packed_weight *w, int64_t start, int64_t end, float *out, int num_threads);
+/* Rows ids[0..n_ids) of W as fp32 into out [n_ids, cols] (embedding lookups). */
+void packed_gather_rows(const struct packed_weight *w, const int64_t *ids, int64_t n_ids, float *out,
+                        int num_threads);
+
 /* decode_layer.c: a stack of decoder layers for one token. Layer l's weights are
- * w[l * NUM_WEIGHTS + DECODE_WEIGHT]; dims[DECODE_DIM] describes the model. */
+ * w[l * NUM_WEIGHTS + DECODE_WEIGHT]: the projections' (W_QKV, W_O, W_GATE_UP, W_DOWN) point at
+ * a struct packed_weight, the norms' and biases' at fp32 vectors; dims[DECODE_DIM] describes
+ * the model. */
 enum decode_weight { W_LN1, W_LN2, W_QKV, B_QKV, W_O, B_O, W_GATE_UP, W_DOWN, NUM_WEIGHTS };
 enum decode_dim { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, NUM_DIMS };
 
 int64_t decode_layer_scratch(const int64_t *dims);
-int decode_layers(const float *const *w, int64_t n_layers, const int64_t *dims, float eps, float scale,
+int decode_layers(const void *const *w, int64_t n_layers, const int64_t *dims, float eps, float scale,
                   const float *x, const float *res, float *out, float *res_out, const float *cos_sin,
                   float *const *k_caches, float *const *v_caches, int64_t slot, const int64_t *block_table,
                   int64_t seq_len, float *scratch, int num_threads);

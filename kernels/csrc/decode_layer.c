@@ -10,7 +10,8 @@
  *   out = silu(h Wg^T) * (h Wu^T) Wd^T
  * decode_layers runs a whole pipeline stage's layers in one call, which also saves ~30 us of
  * ctypes and tensor bookkeeping a layer (about 1 ms a token for SmolLM2's 30).
- * Tensor parallelism and quantized weights take the ordinary path.
+ * The projections are struct packed_weight (packed_linear.c), so every weight format runs here;
+ * tensor parallelism takes the ordinary path.
  */
 #include <string.h>
 
@@ -18,7 +19,7 @@
 /* One translation unit with the kernels it calls, so the compiler may inline them here. */
 #include "decode_attention.c"
 #include "elementwise.c"
-#include "gemv.c"
+#include "packed_linear.c"
 
 /* Scratch floats decode_layer needs for these dims. */
 int64_t decode_layer_scratch(const int64_t *dims) {
@@ -29,7 +30,7 @@ int64_t decode_layer_scratch(const int64_t *dims) {
 /* x [hidden] in; out [hidden] and res_out [hidden] written (res NULL on the first layer).
  * x may be out and res may be res_out: each is read before its alias is written.
  * Returns 0, or -1 if attention could not allocate its scores. */
-static int decode_layer(const float *const *w, const int64_t *dims, float eps, float scale, const float *x,
+static int decode_layer(const void *const *w, const int64_t *dims, float eps, float scale, const float *x,
                  const float *res, float *out, float *res_out, const float *cos_sin, float *k_cache,
                  float *v_cache, int64_t slot, const int64_t *block_table, int64_t seq_len,
                  float *scratch, int num_threads) {
@@ -40,12 +41,12 @@ static int decode_layer(const float *const *w, const int64_t *dims, float eps, f
     float *act = gate_up + 2 * inter;
 
     if (res) {
-        add_rms_norm(x, res, w[W_LN1], h, res_out, 1, hidden, eps, 1);
+        add_rms_norm(x, res, (const float *)w[W_LN1], h, res_out, 1, hidden, eps, 1);
     } else {
         memcpy(res_out, x, sizeof(float) * hidden);
-        add_rms_norm(x, 0, w[W_LN1], h, 0, 1, hidden, eps, 1);
+        add_rms_norm(x, 0, (const float *)w[W_LN1], h, 0, 1, hidden, eps, 1);
     }
-    gemv_rows(h, w[W_QKV], w[B_QKV], qkv, 1, hidden, q_size + 2 * kv_size, num_threads);
+    packed_linear(w[W_QKV], h, w[B_QKV], qkv, 1, num_threads);
     float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
     /* RoPE into the cache row and attn (as scratch for q), then attention reads q from there. */
     float *k_row = k_cache + slot * kv_size, *v_row = v_cache + slot * kv_size;
@@ -57,18 +58,18 @@ static int decode_layer(const float *const *w, const int64_t *dims, float eps, f
     if (paged_decode_attention(q, k_cache, v_cache, block_table, 0, &one_len, attn, 1, (int)heads,
                                (int)kv_heads, (int)head_dim, (int)dims[D_BLOCK_SIZE], scale, num_threads))
         return -1;
-    gemv_rows(attn, w[W_O], w[B_O], h, 1, q_size, hidden, num_threads);
+    packed_linear(w[W_O], attn, w[B_O], h, 1, num_threads);
     /* residual += o; h = rms_norm(residual) * ln2 (res_out holds the residual stream). */
-    add_rms_norm(h, res_out, w[W_LN2], h, res_out, 1, hidden, eps, 1);
-    gemv_rows(h, w[W_GATE_UP], 0, gate_up, 1, hidden, 2 * inter, num_threads);
+    add_rms_norm(h, res_out, (const float *)w[W_LN2], h, res_out, 1, hidden, eps, 1);
+    packed_linear(w[W_GATE_UP], h, 0, gate_up, 1, num_threads);
     silu_and_mul(gate_up, act, 1, inter, 1);
-    gemv_rows(act, w[W_DOWN], 0, out, 1, inter, hidden, num_threads);
+    packed_linear(w[W_DOWN], act, 0, out, 1, num_threads);
     return 0;
 }
 
 /* n_layers layers in a row: layer l's weights are w[l * NUM_WEIGHTS ...] and its cache
  * k_caches[l], v_caches[l]; each layer continues from the previous one's (out, res_out). */
-int decode_layers(const float *const *w, int64_t n_layers, const int64_t *dims, float eps, float scale,
+int decode_layers(const void *const *w, int64_t n_layers, const int64_t *dims, float eps, float scale,
                   const float *x, const float *res, float *out, float *res_out, const float *cos_sin,
                   float *const *k_caches, float *const *v_caches, int64_t slot, const int64_t *block_table,
                   int64_t seq_len, float *scratch, int num_threads) {

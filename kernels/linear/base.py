@@ -14,6 +14,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from cadenza.kernels.cpu.packed import BoundWeight
+from cadenza.kernels.quant.weight import PackedWeight
+
 
 class LinearMethod(ABC):
     """One projection's weight in some storage, and the matmul that reads it."""
@@ -25,6 +28,15 @@ class LinearMethod(ABC):
     @abstractmethod
     def weight_bytes(self) -> int:
         """Bytes one pass over the weight reads (what a decode step streams)."""
+
+    def c_weight(self) -> BoundWeight | None:
+        """W bound for the C kernels that read weights themselves (the decode stack); None
+        where this storage has no C binding."""
+        return None
+
+    def packed(self) -> PackedWeight | None:
+        """W's packed storage, where the method keeps one (a tied embedding reads it)."""
+        return None
 
     def fp32_rows(self) -> torch.Tensor | None:
         """W as contiguous fp32 [out, in] CPU rows, for kernels that read the weights

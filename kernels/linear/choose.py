@@ -9,17 +9,36 @@ from cadenza.kernels.cpu.gemv import gemv_available
 from cadenza.kernels.linear.base import LinearMethod
 from cadenza.kernels.linear.cpu_fp32 import CpuFp32Linear
 from cadenza.kernels.linear.dense import DenseLinear
-from cadenza.kernels.linear.onednn import onednn_available
+from cadenza.kernels.linear.packed import PackedLinear
+from cadenza.kernels.linear.stacked import StackedLinear
+from cadenza.kernels.quant.weight import PackedWeight
+
+# Kinds the Triton kernels read on CUDA; others are decoded tile by tile there.
+TRITON_KINDS = ("q8", "q4")
 
 
-def choose_linear_method(weight_t: nn.Parameter) -> LinearMethod:
-    """The method for one projection's loaded dense weight [in, out], picked once at load time
-    (after sharding, so it sees this rank's slice); it may take weight_t over.
+def choose_linear_method(weight: nn.Parameter | list[PackedWeight]) -> LinearMethod:
+    """The method for one projection, picked once at load time (after sharding, so it sees
+    this rank's slice); it may take a dense weight_t over.
 
-    CPU fp32: the [out, in] re-layout with the C GEMV where this host builds it and oneDNN
-    where torch has it. Anything else, and one-element placeholders (a pipeline stage's
-    unused lm_head), stays dense through torch."""
-    on_cpu_fp32 = weight_t.device.type == "cpu" and weight_t.dtype == torch.float32
-    if not on_cpu_fp32 or weight_t.numel() <= 1:
-        return DenseLinear(weight_t)
-    return CpuFp32Linear(weight_t, few_rows_kernel=gemv_available(), packed=onednn_available())
+    Dense [in, out] weights: on the CPU in fp32, the [out, in] re-layout with the C GEMV
+    where this host builds it; anything else, and one-element
+    placeholders (a pipeline stage's unused lm_head), stays dense through torch.
+    Packed weights (one part, or several stacked by rows when a fused projection's parts are
+    stored in different formats): the C packed kernels on the CPU, Triton on CUDA."""
+    if isinstance(weight, list):
+        if len(weight) > 1:
+            return StackedLinear([_packed_method(part) for part in weight])
+        return _packed_method(weight[0])
+    on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if not on_cpu_fp32 or weight.numel() <= 1:
+        return DenseLinear(weight)
+    return CpuFp32Linear(weight, few_rows_kernel=gemv_available())
+
+
+def _packed_method(weight: PackedWeight) -> LinearMethod:
+    if weight.device.type == "cuda" and weight.kind in TRITON_KINDS:
+        from cadenza.kernels.linear.triton_packed import TritonPackedLinear  # Triton only where CUDA is
+
+        return TritonPackedLinear(weight)
+    return PackedLinear(weight)

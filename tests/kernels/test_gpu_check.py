@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from cadenza.benchmarks import gpu_check
+from cadenza.benchmarks import gpu_cases, gpu_check
 from tests.kernels._compare import DEVICE
 
 KERNELS = {
@@ -22,6 +22,7 @@ KERNELS = {
     "extend_attention",
     "w8a16_matmul",
     "w4a16_matmul",
+    "gguf_matmul",
 }
 
 
@@ -33,6 +34,22 @@ def test_tiny_run_checks_every_kernel(capsys: pytest.CaptureFixture[str]) -> Non
     for result in report["results"]:
         # Timings are reported, never judged: the interpreter's are meaningless and vary.
         assert result["passed"] and result["ms"] >= 0 and result["speedup"] >= 0
+
+
+@pytest.mark.parametrize("type_name", gpu_cases.GGUF_TYPES)
+def test_random_gguf_blocks_are_what_gguf_reads(type_name: str) -> None:
+    """The fallback for a gguf that cannot quantize: blocks gguf itself decodes as the split does."""
+    import gguf
+    import numpy as np
+
+    from cadenza.kernels.quant.dequantize import dequantize
+    from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
+
+    raw = gpu_cases.random_gguf_blocks(type_name, 4, 64)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
+    got = dequantize(packed_from_gguf(type_name, raw, 4, 64))
+    torch.testing.assert_close(got, torch.from_numpy(expected), rtol=0, atol=0)
+    assert 0 < got.abs().max() < 0.5
 
 
 def test_a_failing_case_is_reported_not_raised() -> None:

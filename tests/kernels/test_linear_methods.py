@@ -30,7 +30,7 @@ def _counting(calls: list[str], name: str, fn: Callable[..., torch.Tensor]) -> C
 
 @pytest.mark.skipif(not gemv_available(), reason="no C compiler: the CPU GEMV cannot be built here")
 @pytest.mark.parametrize(
-    ("rows", "path"), [(1, "gemv"), (8, "gemv"), (9, "onednn"), (64, "onednn"), (65, "dense")]
+    ("rows", "path"), [(1, "gemv"), (8, "gemv"), (9, "dense"), (65, "dense")]
 )  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_cpu_fp32_method_takes_each_path_and_matches_a_matmul(
@@ -42,10 +42,8 @@ def test_the_cpu_fp32_method_takes_each_path_and_matches_a_matmul(
     monkeypatch.setenv("CADENZA_KERNELS", "cpu")
     method = choose_linear_method(weight_t)
     assert isinstance(method, CpuFp32Linear)
-    if method.packed is None and path == "onednn":
-        pytest.skip("this torch has no oneDNN")
     calls: list[str] = []
-    for name, attr in (("gemv", "linear_few_rows"), ("onednn", "packed_linear"), ("dense", "dense_linear")):
+    for name, attr in (("gemv", "linear_few_rows"), ("dense", "dense_linear")):
         monkeypatch.setattr(cpu_fp32, attr, _counting(calls, name, getattr(cpu_fp32, attr)))
     torch.testing.assert_close(method.apply(x, b), expected, atol=1e-4, rtol=1e-5)
     assert calls == [path]

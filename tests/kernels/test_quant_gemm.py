@@ -1,87 +1,121 @@
-"""Weight-only quantized GEMMs (W8A16, W4A16): round trips, and kernels against references."""
+"""The Triton GEMMs over packed q8 / q4 weights against the dequantizing references: on-load
+int8 / int4 and GGUF's Q8_0 / Q4_0 / Q4_1 blocks (as gguf's own quantizer writes them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from cadenza.kernels import ops
-from cadenza.kernels.quant_gemm import (
-    dequantize_w4,
-    dequantize_w8,
-    quantize_w4,
-    quantize_w8,
-    w4a16_matmul_ref,
-    w4a16_matmul_triton,
-    w8a16_matmul_ref,
-    w8a16_matmul_triton,
-)
-from tests.kernels._compare import DEVICE, DTYPES, within_2x
+from cadenza.kernels.linear.triton_packed import TritonPackedLinear
+from cadenza.kernels.quant.dequantize import dequantize
+from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
+from cadenza.kernels.quant.quantize import quantize_int4, quantize_int8, to_dense_kind
+from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+from cadenza.kernels.quant.weight import PackedWeight
+from tests.kernels._compare import DEVICE, within_2x
+
+N = 40  # not a multiple of the N tile: the last tile is masked
 
 
-def _weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+def _dense(k: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(N, k) * 0.05
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_w8_round_trip(dtype: torch.dtype) -> None:
-    weight = _weight(96, 200, dtype)
-    weight[3] = 0  # an all-zero row must not divide by zero
-    qweight, scales = quantize_w8(weight)
-    assert qweight.dtype == torch.int8 and scales.dtype == dtype and scales.shape == (96,)
-    error = (dequantize_w8(qweight, scales) - weight.float()).abs()
-    # Round to nearest: at most half a step per element (plus the scale's own rounding).
-    assert (error <= scales.float()[:, None] * 0.51).all()
-    assert (dequantize_w8(qweight, scales)[3] == 0).all()
+def _gguf(type_name: str, k: int) -> PackedWeight:
+    """gguf's own blocks, split; the split dequantizes exactly as gguf itself does."""
+    raw = gguf.quants.quantize(_dense(k, k).numpy(), gguf.GGMLQuantizationType[type_name])
+    w = packed_from_gguf(type_name, raw, N, k)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
+    torch.testing.assert_close(dequantize(w), torch.from_numpy(expected), rtol=0, atol=0)
+    return w
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_w4_round_trip(dtype: torch.dtype, group_size: int) -> None:
-    weight = _weight(48, 256, dtype)
-    weight[5, :group_size] = 0
-    packed, scales, zeros = quantize_w4(weight, group_size)
-    assert packed.shape == (48, 128) and packed.dtype == torch.uint8
-    assert scales.shape == zeros.shape == (48, 256 // group_size) and zeros.max() <= 15
-    deq = dequantize_w4(packed, scales, zeros, group_size)
-    step = scales.float().repeat_interleave(group_size, dim=1)
-    assert ((deq - weight.float()).abs() <= step * 0.51).all()
-    assert (deq[5, :group_size] == 0).all()
+# name -> the weight (K is not a power of two wherever the group allows it).
+WEIGHTS: dict[str, Callable[[], PackedWeight]] = {
+    "q8_per_channel": lambda: quantize_int8(_dense(200, 1)),
+    "q8_0": lambda: _gguf("Q8_0", 576),
+    "q4_g32": lambda: quantize_int4(_dense(576, 2), 32),
+    "q4_g64": lambda: quantize_int4(_dense(192, 3), 64),
+    "q4_g128": lambda: quantize_int4(_dense(384, 4), 128),
+    "q4_0": lambda: _gguf("Q4_0", 160),
+    "q4_1": lambda: _gguf("Q4_1", 224),
+}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 7, 33])
-@pytest.mark.parametrize(("k", "n"), [(256, 96), (192, 320)])
-def test_w8a16_matmul(dtype: torch.dtype, m: int, k: int, n: int) -> None:
-    torch.manual_seed(m + k)
-    qweight, scales = quantize_w8(_weight(n, k, dtype))
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    exact = x.float() @ dequantize_w8(qweight, scales).T
-    within_2x(w8a16_matmul_triton(x, qweight, scales), w8a16_matmul_ref(x, qweight, scales), exact)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "bias"), [(1, False), (5, True), (33, False), (33, True)])
+@pytest.mark.parametrize("name", WEIGHTS)
+def test_packed_matmul(name: str, m: int, bias: bool, dtype: torch.dtype) -> None:
+    w = WEIGHTS[name]().to(DEVICE)
+    torch.manual_seed(m)
+    x = torch.randn(m, w.cols, device=DEVICE).to(dtype)
+    b = torch.randn(w.rows, device=DEVICE).to(dtype) if bias else None
+    exact = x.float() @ dequantize(w).T + (0 if b is None else b.float())
+    got = packed_matmul_triton(x, w, b)
+    assert got.shape == (m, w.rows) and got.dtype == dtype
+    within_2x(got, packed_matmul_ref(x, w, b), exact)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 7, 33])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_w4a16_matmul(dtype: torch.dtype, m: int, group_size: int) -> None:
-    torch.manual_seed(m + group_size)
-    k, n = 2 * 128, 160
-    packed, scales, zeros = quantize_w4(_weight(n, k, dtype), group_size)
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    exact = x.float() @ dequantize_w4(packed, scales, zeros, group_size).T
-    got = w4a16_matmul_triton(x, packed, scales, zeros, group_size)
-    within_2x(got, w4a16_matmul_ref(x, packed, scales, zeros, group_size), exact)
+@pytest.mark.parametrize("name", ["q8_per_channel", "q8_0", "q4_g64"])
+def test_tensor_parallel_slices(name: str) -> None:
+    """Rows selected and columns narrowed read alike (the grouped kinds; a per-channel q8 is
+    only row-selected here)."""
+    part = WEIGHTS[name]().select_rows([(3, 20), (30, 37)])
+    if part.group != part.cols:
+        part = part.narrow_cols(part.group, part.cols - part.group)
+    part = part.to(DEVICE)
+    x = torch.randn(5, part.cols, device=DEVICE)
+    exact = x @ dequantize(part).T
+    within_2x(packed_matmul_triton(x, part, None), packed_matmul_ref(x, part, None), exact)
 
 
-def test_ops_dispatch_quant_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_q4_nibble_order_is_ggufs() -> None:
+    """One nonzero code per row, in byte r of row r: element j of a sub-block is byte j's low
+    nibble, element j + 16 its high nibble; with x_k = k the output is the element's index."""
+    k, rows = 64, 32
+    data = torch.zeros(rows, k // 2, dtype=torch.uint8)
+    for r in range(rows):
+        data[r, r] = 1 if r % 2 else 0x10  # odd rows the low nibble, even rows the high
+    ones = torch.ones(rows, k // 32, dtype=torch.float16)
+    w = PackedWeight("q4", rows, k, data, group=32, scales=ones, mins=torch.zeros_like(ones)).to(DEVICE)
+    x = torch.arange(k, dtype=torch.float32, device=DEVICE)[None, :]
+    expected = [32 * (r // 16) + r % 16 + (0 if r % 2 else 16) for r in range(rows)]
+    got = packed_matmul_triton(x, w, None)
+    assert got[0].tolist() == expected == packed_matmul_ref(x, w, None)[0].tolist()
+
+
+def test_other_kinds_are_refused_by_name() -> None:
+    w = to_dense_kind(torch.randn(N, 64), "f16")
+    with pytest.raises(ValueError, match="'f16'"):
+        packed_matmul_triton(torch.randn(2, 64), w, None)
+
+
+def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both backends through ops, on a 3-D activation (batch x tokens x K)."""
     x = torch.randn(2, 3, 128, device=DEVICE)
-    weight = _weight(64, 128, torch.float32)
-    w8, w4 = quantize_w8(weight), quantize_w4(weight, 64)
+    w8, w4 = quantize_int8(_dense(128, 5)).to(DEVICE), quantize_int4(_dense(128, 6), 64).to(DEVICE)
+    bias = torch.randn(N, device=DEVICE)
     results = {}
     for name in ("torch", "triton"):
         monkeypatch.setenv("CADENZA_KERNELS", name)
-        results[name] = ops.w8a16_matmul(x, *w8), ops.w4a16_matmul(x, *w4, 64)
+        results[name] = ops.packed_matmul(x, w8), ops.packed_matmul(x, w4, bias)
     for ref, got in zip(results["torch"], results["triton"], strict=True):
-        assert got.shape == (2, 3, 64)
+        assert got.shape == (2, 3, N)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_triton_packed_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = quantize_int4(_dense(96, 7), 32).to(DEVICE)
+    method = TritonPackedLinear(w)
+    assert method.packed() is w and method.weight_bytes() == w.nbytes == N * 48 + 2 * N * 3 * 2
+    x, bias = torch.randn(3, 96, device=DEVICE), torch.randn(N, device=DEVICE)
+    monkeypatch.setenv("CADENZA_KERNELS", "triton")
+    torch.testing.assert_close(method.apply(x, bias), packed_matmul_ref(x, w, bias), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="'q4_k'"):
+        TritonPackedLinear(PackedWeight("q4_k", N, 256, torch.zeros(N, 144, dtype=torch.uint8), group=256))

@@ -1,0 +1,132 @@
+"""The packed-weight kernels (csrc/packed_linear.c, kernels/linear/packed.py) against the torch
+reference (dequantize, then matmul), for every format, shape class and row count; the GGUF
+repacking against gguf's own dequantizer; the decode stack over packed layers."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from cadenza.kernels.cpu.packed import BoundWeight, packed_available, packed_dequantize, packed_gather, packed_linear
+from cadenza.kernels.linear.packed import PACKED_FEW_ROWS, PackedLinear
+from cadenza.kernels.quant.dequantize import dequantize
+from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
+from cadenza.kernels.quant.quantize import quantize_int4, quantize_int8, to_dense_kind
+from cadenza.kernels.quant.weight import PackedWeight, cat_rows, ideal_bytes_per_weight
+
+Q = gguf.GGMLQuantizationType
+needs_c = pytest.mark.skipif(not packed_available(), reason="no C compiler: the packed kernels cannot be built")
+# Shape classes: SmolLM2's qkv (in 576) and down (in 1536), a K-quant width (in 512), odd rows.
+SHAPES = [(40, 576), (24, 1536), (33, 512)]
+ROWS = [1, 3, 4, 5, 8, 9, 16, 17, 70]
+
+
+def _gguf_blocks(type_name: str, rows: int, cols: int, seed: int) -> PackedWeight:
+    """Random blocks with sane fp16 scales (random bytes there would be inf / NaN)."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[getattr(Q, type_name)]
+    raw = rng.integers(0, 256, rows * cols // block * size, dtype=np.uint8).reshape(rows, cols // block, size)
+    fp16 = lambda v: np.array([v], np.float16).view(np.uint8)  # noqa: E731
+    scale_fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
+    for offset in scale_fields:
+        raw[:, :, offset : offset + 2] = fp16(rng.uniform(0.005, 0.02))
+    return packed_from_gguf(type_name, raw.reshape(rows, -1), rows, cols)
+
+
+def _formats(rows: int, cols: int) -> dict[str, PackedWeight]:
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)) * 0.05
+    out = {kind: to_dense_kind(w, kind) for kind in ("f32", "bf16", "f16")}
+    out["int8"] = quantize_int8(w)
+    for group in (32, 64, 128):
+        if cols % group == 0:
+            out[f"int4-g{group}"] = quantize_int4(w, group)
+    for type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        out[type_name] = _gguf_blocks(type_name, rows, cols, rows)
+    if cols % 256 == 0:
+        out["Q4_K"], out["Q6_K"] = _gguf_blocks("Q4_K", rows, cols, 1), _gguf_blocks("Q6_K", rows, cols, 2)
+    return out
+
+
+CASES = [(shape, name) for shape in SHAPES for name in _formats(*shape)]
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "F16", "BF16"])
+def test_gguf_repacking_decodes_as_gguf_does(type_name: str) -> None:
+    rows, cols = 6, 512
+    if type_name in ("F16", "BF16"):
+        values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+        raw = gguf.quants.quantize(values, getattr(Q, type_name))
+        packed = packed_from_gguf(type_name, raw, rows, cols)
+    else:
+        packed = _gguf_blocks(type_name, rows, cols, 0)
+        raw = None
+    # The reference: gguf's numpy dequantizer on the very bytes (re-joined for the split types).
+    expected = gguf.quants.dequantize(raw if raw is not None else _rejoin(packed, type_name), getattr(Q, type_name))
+    torch.testing.assert_close(dequantize(packed), torch.from_numpy(expected.reshape(rows, cols)), rtol=0, atol=0)
+
+
+def _rejoin(w: PackedWeight, type_name: str) -> np.ndarray:
+    """A split PackedWeight's blocks back in GGUF's interleaved layout."""
+    if type_name in ("Q4_K", "Q6_K"):
+        return w.data.numpy()
+    groups = w.cols // 32
+    fields = [w.scales.half().view(torch.uint8).view(w.rows, groups, 2)]
+    if w.mins is not None:
+        fields.append(w.mins.view(torch.uint8).view(w.rows, groups, 2))
+    codes = w.data.view(torch.uint8).view(w.rows, groups, -1)
+    return torch.cat([*fields, codes], dim=2).reshape(w.rows, -1).numpy()
+
+
+@needs_c
+@pytest.mark.parametrize(("shape", "name"), CASES, ids=[f"{s[0]}x{s[1]}-{n}" for s, n in CASES])
+def test_the_c_kernel_matches_dequantize_then_matmul(shape: tuple[int, int], name: str) -> None:
+    w = _formats(*shape)[name]
+    bound, reference = BoundWeight(w), dequantize(w)
+    bias = torch.randn(w.rows)
+    for rows in ROWS:
+        x = torch.randn(rows, w.cols, generator=torch.Generator().manual_seed(rows))
+        expected = x @ reference.T + bias
+        torch.testing.assert_close(packed_linear(bound, x, bias), expected, rtol=1e-4, atol=1e-4 * w.cols**0.5)
+        torch.testing.assert_close(PackedLinear(w).apply(x, bias), expected, rtol=1e-4, atol=1e-4 * w.cols**0.5)
+    assert torch.equal(packed_dequantize(bound, 3, 11), reference[3:11])
+    ids = torch.tensor([5, 0, w.rows - 1, 5])
+    assert torch.equal(packed_gather(bound, ids), reference[ids])
+
+
+@pytest.mark.parametrize("rows", [1, PACKED_FEW_ROWS + 1])
+def test_the_torch_backend_runs_the_reference(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    monkeypatch.setenv("CADENZA_KERNELS", "torch")
+    w = quantize_int4(torch.randn(20, 64), 32)
+    x = torch.randn(rows, 64)
+    method = PackedLinear(w)
+    torch.testing.assert_close(method.apply(x, None), x @ dequantize(w).T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(method.gather_rows(torch.tensor([3, 1])), dequantize(w)[[3, 1]])
+
+
+def test_quantizers_round_trip_within_half_a_step() -> None:
+    w = torch.randn(16, 256)
+    q8 = quantize_int8(w)
+    assert (dequantize(q8) - w).abs().max() <= q8.scales.max() / 2 + 1e-6
+    q4 = quantize_int4(w, 64)
+    step = q4.scales.float().repeat_interleave(64, dim=1)
+    assert ((dequantize(q4) - w).abs() <= step / 2 + 1e-2 * step).all()
+
+
+def test_rows_and_columns_slice_and_stack_like_the_dense_weight() -> None:
+    w = torch.randn(12, 128)
+    for packed in (quantize_int8(w), quantize_int4(w, 32), to_dense_kind(w, "bf16")):
+        full = dequantize(packed)
+        assert torch.equal(dequantize(packed.select_rows([(0, 3), (8, 12)])), torch.cat([full[:3], full[8:]]))
+        assert torch.equal(dequantize(packed.narrow_cols(64, 128)), full[:, 64:])
+        assert torch.equal(dequantize(cat_rows([packed, packed])), torch.cat([full, full]))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        quantize_int4(w, 32).narrow_cols(0, 48)
+
+
+def test_ideal_sizes() -> None:
+    w = torch.randn(8, 256)
+    assert ideal_bytes_per_weight(quantize_int4(w, 64)) == 0.5625
+    assert ideal_bytes_per_weight(_gguf_blocks("Q6_K", 8, 256, 0)) == 210 / 256
+    assert ideal_bytes_per_weight(to_dense_kind(w, "bf16")) == 2
