@@ -116,6 +116,12 @@ PACKED_LINEAR = CFunction(
     ),
     None,
 )  # fmt: skip
+ROUND_ACTIVATIONS = CFunction(
+    "packed_linear",
+    "round_activations",
+    (("x", POINTER), ("rows", I64), ("cols", I64), ("out", POINTER)),
+    None,
+)
 PACKED_DEQUANTIZE = CFunction(
     "packed_linear",
     "packed_dequantize",
@@ -141,8 +147,8 @@ DECODE_LAYERS = CFunction(
     ctypes.c_int,
 )  # fmt: skip
 FUNCTIONS = (
-    PAGED_DECODE_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR, PACKED_DEQUANTIZE,
-    PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
+    PAGED_DECODE_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR, ROUND_ACTIVATIONS,
+    PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
 )  # fmt: skip
 
 

@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from cadenza.kernels.cpu.bindings import PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, PACKED_LINEAR
+from cadenza.kernels.cpu.bindings import PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, PACKED_LINEAR, ROUND_ACTIVATIONS
 from cadenza.kernels.quant.weight import KIND_CODES, PackedWeight
 
 
@@ -53,6 +53,14 @@ def packed_linear(bound: BoundWeight, x: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty(x.shape[0], bound.weight.rows, dtype=torch.float32)
     PACKED_LINEAR(w=bound.address, x=x, bias=bias, y=y, m_dim=x.shape[0], num_threads=torch.get_num_threads())
     return y
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded to int8 per block of 32, as the q4 / q8 kernels read it."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    ROUND_ACTIVATIONS(x=x, rows=x.shape[0], cols=x.shape[1], out=out)
+    return out
 
 
 def packed_dequantize(bound: BoundWeight, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:

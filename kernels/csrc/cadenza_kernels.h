@@ -39,6 +39,8 @@ struct packed_weight {
 /* y [m, rows] = x [m, cols] W^T (+ b). */
 void packed_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                    int num_threads);
+/* x [rows, cols] rounded as the q4 / q8 formats read it: to int8 per block of 32 (cols % 32 == 0). */
+void round_activations(const float *x, int64_t rows, int64_t cols, float *out);
 /* Rows [start, end) of W as fp32 into out [end - start, cols]. */
 void packed_dequantize(const struct packed_weight *w, int64_t start, int64_t end, float *out, int num_threads);
 /* Rows ids[0..n_ids) of W as fp32 into out [n_ids, cols] (embedding lookups). */

@@ -12,7 +12,12 @@
  * then runs at the BLAS's rate on a cache-sized tile; packed_gather_rows serves embedding
  * lookups from the same storage.
  */
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include "cadenza_kernels.h"
 #include "gemv.c"
@@ -21,6 +26,9 @@
  * value on x86 without AVX512-FP16): exponent and mantissa shifted into place and rebased by
  * 2^112, which also handles subnormals; inf and NaN do not occur in weights or scales. */
 static inline float fp16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h); /* one instruction where the CPU has it (every AVX2 one does) */
+#endif
     const uint32_t bits = (uint32_t)(h & 0x7fff) << 13;
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -136,33 +144,52 @@ static const float *decode_row(const struct packed_weight *w, int64_t row, float
     }
 }
 
+/* The q4 / q8 formats read x rounded to int8 per block of 32 (scale = the block's max / 127):
+ * the fused AVX2 path multiplies those codes as integers, and every other path (more rows,
+ * tiles for the BLAS, hosts without AVX2, the torch reference) multiplies the same rounded
+ * values, so a request's tokens do not depend on how many rows its batch had. */
+static inline int rounds_activations(const struct packed_weight *w) {
+    return (w->kind == WK_Q4 || w->kind == WK_Q8) && w->cols % 32 == 0;
+}
+
+static inline float block_scale(const float *v) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    return amax / 127.0f;
+}
+
+/* x [m, cols] -> int8 codes, a scale and the rounded values' sum per block of 32 (q4's min
+ * term: the sum of what the other paths multiply). */
+static void quantize_rows(const float *x, int64_t m_dim, int64_t cols, int8_t *xq, float *dx, float *xsum) {
+    for (int64_t i = 0; i < m_dim * cols / 32; ++i) {
+        const float *v = x + i * 32;
+        const float d = block_scale(v), inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int total = 0;
+        for (int j = 0; j < 32; ++j) total += xq[i * 32 + j] = (int8_t)lrintf(v[j] * inv);
+        dx[i] = d;
+        xsum[i] = (float)total * d;
+    }
+}
+
+void round_activations(const float *x, int64_t rows, int64_t cols, float *out) {
+    for (int64_t i = 0; i < rows * cols / 32; ++i) {
+        const float *v = x + i * 32;
+        const float d = block_scale(v), inv = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < 32; ++j) out[i * 32 + j] = (float)lrintf(v[j] * inv) * d;
+    }
+}
+
 /* The fused paths of the two common formats (q4: on-load int4, GGUF Q4_0 / Q4_1; q8:
- * on-load int8, GGUF Q8_0) for up to 4 rows of x at once, with AVX2 + FMA: a 32-weight
- * sub-block's codes are widened to floats in registers, dotted with each row's 32 values,
- * and the group's scale applied to that partial sum (q4's min term is min * sum(x) over
- * the group, precomputed per row). The generic vector-extension version of this loop
- * measured slower than decoding the row first; these intrinsics measured ~3x faster. */
+ * on-load int8, GGUF Q8_0) for up to FUSED_ROWS rows of x, with AVX2: as llama.cpp does,
+ * each row of x is first quantized to int8 in blocks of 32 (scale = the block's max / 127),
+ * so a 32-weight block is one integer
+ * multiply-add (vpmaddubsw + vpmaddwd) and one fp32 FMA by scale_w * scale_x, about a third
+ * of the instructions of widening the codes to floats (measured ~4.5 against ~12 G weights a
+ * second on one core). The cost is x's rounding: ~0.2% of a block's largest value, which
+ * moved SmolLM2's perplexity by under 0.1% (README "Formats"). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FUSED_ROWS 8
-
-/* The 32 codes of a q4 sub-block (16 bytes) as four vectors: elements 0-7, 8-15, 16-23, 24-31. */
-static inline void q4_codes(const uint8_t *qb, __m256 q[4]) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)qb), mask = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-static inline void q8_codes(const int8_t *qb, __m256 q[4]) {
-    const __m128i a = _mm_loadu_si128((const __m128i *)qb), b = _mm_loadu_si128((const __m128i *)(qb + 16));
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-}
 
 static inline float hsum256(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -170,86 +197,158 @@ static inline float hsum256(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* Sums of each row's x over each scale group, for q4's min (or -8) term: xsum [m, groups]. */
-static void group_sums(const float *x, int64_t m_dim, int64_t cols, int64_t group, float *xsum) {
-    for (int64_t m = 0; m < m_dim; ++m)
-        for (int64_t g = 0; g < cols / group; ++g) {
-            float s = 0.0f;
-            for (int64_t j = g * group; j < (g + 1) * group; ++j) s += x[m * cols + j];
-            xsum[m * (cols / group) + g] = s;
+static inline __m256 dot_block(__m256i w_unsigned, __m256i x_signed) {
+    const __m256i pairs = _mm256_maddubs_epi16(w_unsigned, x_signed);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* A q4 block's 32 codes (16 bytes) as 32 unsigned bytes in element order. */
+static inline __m256i q4_block(const uint8_t *qb) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qb), mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+/* Row n's scale (and, for q4, min) per block of 32, as fp32: per-block scalar work (fp16
+ * conversions, group lookups) hoisted out of the block loop, vectorised where groups are 32. */
+static void block_scales(const struct packed_weight *w, int64_t n, int q4, float *scale, float *minimum) {
+    const int64_t cols = w->cols, blocks = cols / 32, groups = cols / w->group, per_group = w->group / 32;
+    const uint16_t *s16 = (const uint16_t *)w->scales + n * groups;
+    const float *s32 = (const float *)w->scales + n * groups;
+    const uint16_t *m16 = w->mins ? (const uint16_t *)w->mins + n * groups : 0;
+    int64_t b = 0;
+    if (q4 && per_group == 1)
+        for (; b + 8 <= blocks; b += 8) {
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s16 + b)));
+            _mm256_storeu_ps(scale + b, sv);
+            const __m256 mv = m16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b)))
+                                  : _mm256_mul_ps(sv, _mm256_set1_ps(-8.0f));
+            _mm256_storeu_ps(minimum + b, mv);
         }
+    for (; b < blocks; ++b) {
+        const int64_t g = b / per_group;
+        scale[b] = q4 ? fp16_to_f32(s16[g]) : s32[g];
+        if (q4) minimum[b] = m16 ? fp16_to_f32(m16[g]) : -8.0f * scale[b];
+    }
+}
+
+static inline float dot_floats(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum256(acc);
+    for (; i < n; ++i) sum += a[i] * b[i];
+    return sum;
 }
 
 /* Output row n against `rows` rows of x; always inlined with constant rows and kind, so each
- * (kind, rows) pair compiles to its own loop with its accumulators in registers. The codes
- * are scaled in registers and accumulated in independent chains (4 for one row, 2 per row
- * for more): one chain per row measured latency-bound at ~1.6 weights a cycle. */
+ * pair compiles to its own loop with its accumulators in registers. Per block: the codes
+ * once, then per row one integer dot and one FMA by scale_w * scale_x (formed 8 blocks at a
+ * time); q4's min term is min . (x's block sums), one dot a row. */
 static inline __attribute__((always_inline)) void fused_row(const struct packed_weight *w, int64_t n,
-                                                            const float *x, const float *xsum, const int rows,
-                                                            const int q4, float bias, float *y, int64_t y_stride) {
-    const int64_t cols = w->cols, groups = cols / w->group, per_group = w->group / 32;
-    const int chains = rows == 1 ? 4 : 2;
-    __m256 acc[4][4];
-    for (int m = 0; m < rows; ++m)
-        for (int c = 0; c < chains; ++c) acc[m][c] = _mm256_setzero_ps();
-    float offset[4] = {0};
-    const uint16_t *scales16 = (const uint16_t *)w->scales + n * groups;
-    const float *scales32 = (const float *)w->scales + n * groups;
-    const uint16_t *mins = w->mins ? (const uint16_t *)w->mins + n * groups : 0;
-    for (int64_t g = 0; g < groups; ++g) {
-        const float s = q4 ? fp16_to_f32(scales16[g]) : scales32[g];
-        const __m256 sv = _mm256_set1_ps(s);
-        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-            __m256 q[4];
-            if (q4)
-                q4_codes((const uint8_t *)w->data + n * (cols / 2) + b * 16, q);
-            else
-                q8_codes((const int8_t *)w->data + n * cols + b * 32, q);
-            for (int i = 0; i < 4; ++i) q[i] = _mm256_mul_ps(q[i], sv);
-            for (int m = 0; m < rows; ++m) {
-                const float *xb = x + m * cols + b * 32;
-                for (int i = 0; i < 4; ++i)
-                    acc[m][i % chains] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xb + 8 * i), acc[m][i % chains]);
+                                                            const int8_t *xq, const float *dx, const float *xsum,
+                                                            const int rows, const int q4, float bias, float *y,
+                                                            int64_t y_stride) {
+    const int64_t cols = w->cols, blocks = cols / 32;
+    float scale[blocks + 8], minimum[blocks + 8], both[4][8];
+    block_scales(w, n, q4, scale, minimum);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+        const int chunk = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
+        for (int m = 0; m < rows; ++m)
+            for (int j = 0; j < chunk; ++j) both[m][j] = scale[b0 + j] * dx[m * blocks + b0 + j];
+        for (int j = 0; j < chunk; ++j) {
+            const int64_t b = b0 + j;
+            __m256i codes, sign = _mm256_setzero_si256();
+            if (q4) {
+                codes = q4_block((const uint8_t *)w->data + n * (cols / 2) + b * 16);
+            } else { /* signed codes: |w| times x with w's sign (vpmaddubsw wants one side unsigned) */
+                sign = _mm256_loadu_si256((const __m256i *)((const int8_t *)w->data + n * cols + b * 32));
+                codes = _mm256_sign_epi8(sign, sign);
             }
-        }
-        if (q4) {
-            const float mn = mins ? fp16_to_f32(mins[g]) : -8.0f * s;
-            for (int m = 0; m < rows; ++m) offset[m] += mn * xsum[m * groups + g];
+            for (int m = 0; m < rows; ++m) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m * blocks + b) * 32));
+                if (!q4) xv = _mm256_sign_epi8(xv, sign);
+                acc[m] = _mm256_fmadd_ps(dot_block(codes, xv), _mm256_set1_ps(both[m][j]), acc[m]);
+            }
         }
     }
     for (int m = 0; m < rows; ++m) {
-        __m256 total = acc[m][0];
-        for (int c = 1; c < chains; ++c) total = _mm256_add_ps(total, acc[m][c]);
-        y[m * y_stride] = hsum256(total) + offset[m] + bias;
+        const float offset = q4 ? dot_floats(minimum, xsum + m * blocks, blocks) : 0.0f;
+        y[m * y_stride] = hsum256(acc[m]) + offset + bias;
     }
 }
 
 static inline __attribute__((always_inline)) void fused_rows(const struct packed_weight *w, int64_t n,
-                                                             const float *x, const float *xsum, int rows,
-                                                             const int q4, float bias, float *y, int64_t stride) {
+                                                             const int8_t *xq, const float *dx, const float *xsum,
+                                                             int rows, const int q4, float bias, float *y,
+                                                             int64_t stride) {
     switch (rows) {
-    case 1: fused_row(w, n, x, xsum, 1, q4, bias, y, stride); break;
-    case 2: fused_row(w, n, x, xsum, 2, q4, bias, y, stride); break;
-    case 3: fused_row(w, n, x, xsum, 3, q4, bias, y, stride); break;
-    default: fused_row(w, n, x, xsum, 4, q4, bias, y, stride); break;
+    case 1: fused_row(w, n, xq, dx, xsum, 1, q4, bias, y, stride); break;
+    case 2: fused_row(w, n, xq, dx, xsum, 2, q4, bias, y, stride); break;
+    case 3: fused_row(w, n, xq, dx, xsum, 3, q4, bias, y, stride); break;
+    default: fused_row(w, n, xq, dx, xsum, 4, q4, bias, y, stride); break;
     }
 }
 
 static void fused_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                          int num_threads) {
-    const int64_t cols = w->cols, n_dim = w->rows, groups = cols / w->group;
+    const int64_t cols = w->cols, n_dim = w->rows, blocks = cols / 32;
     const int q4 = w->kind == WK_Q4;
-    float xsum[m_dim * groups];
-    if (q4) group_sums(x, m_dim, cols, w->group, xsum);
+    int8_t xq[m_dim * cols];
+    float dx[m_dim * blocks], xsum[m_dim * blocks];
+    quantize_rows(x, m_dim, cols, xq, dx, xsum);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < n_dim; ++n) {
         const float b = bias ? bias[n] : 0.0f;
         for (int64_t m = 0; m < m_dim; m += 4) {
             const int rows = m_dim - m < 4 ? (int)(m_dim - m) : 4;
+            const int8_t *xm = xq + m * cols;
+            const float *dm = dx + m * blocks, *sm = xsum + m * blocks;
             if (q4)
-                fused_rows(w, n, x + m * cols, xsum + m * groups, rows, 1, b, y + m * n_dim + n, n_dim);
+                fused_rows(w, n, xm, dm, sm, rows, 1, b, y + m * n_dim + n, n_dim);
             else
-                fused_rows(w, n, x + m * cols, xsum + m * groups, rows, 0, b, y + m * n_dim + n, n_dim);
+                fused_rows(w, n, xm, dm, sm, rows, 0, b, y + m * n_dim + n, n_dim);
+        }
+    }
+}
+
+/* bf16 rows against up to 4 rows of x: 8 weights widened to fp32 by a shift, one FMA per row;
+ * two chains for one row (one chain is FMA-latency bound). */
+static inline __attribute__((always_inline)) void bf16_row(const uint16_t *wrow, int64_t cols, const float *x,
+                                                           const int rows, float bias, float *y, int64_t y_stride) {
+    __m256 acc[4][2];
+    for (int m = 0; m < 4; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= cols; k += 16)
+        for (int h = 0; h < 2; ++h) {
+            const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wrow + k + 8 * h)));
+            const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+            for (int m = 0; m < rows; ++m)
+                acc[m][h] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * cols + k + 8 * h), acc[m][h]);
+        }
+    for (int m = 0; m < rows; ++m) {
+        float sum = hsum256(_mm256_add_ps(acc[m][0], acc[m][1]));
+        for (int64_t j = k; j < cols; ++j) sum += bf16_to_f32(wrow[j]) * x[m * cols + j];
+        y[m * y_stride] = sum + bias;
+    }
+}
+
+static void bf16_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
+                        int num_threads) {
+    const int64_t cols = w->cols, n_dim = w->rows;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < n_dim; ++n) {
+        const uint16_t *wrow = (const uint16_t *)w->data + n * cols;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < m_dim; m += 4) {
+            const int rows = m_dim - m < 4 ? (int)(m_dim - m) : 4;
+            float *out = y + m * n_dim + n;
+            switch (rows) {
+            case 1: bf16_row(wrow, cols, x + m * cols, 1, b, out, n_dim); break;
+            case 2: bf16_row(wrow, cols, x + m * cols, 2, b, out, n_dim); break;
+            case 3: bf16_row(wrow, cols, x + m * cols, 3, b, out, n_dim); break;
+            default: bf16_row(wrow, cols, x + m * cols, 4, b, out, n_dim); break;
+            }
         }
     }
 }
@@ -259,14 +358,30 @@ static void fused_linear(const struct packed_weight *w, const float *x, const fl
                          int num_threads) {
     (void)w, (void)x, (void)bias, (void)y, (void)m_dim, (void)num_threads;
 }
+static void bf16_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
+                        int num_threads) {
+    (void)w, (void)x, (void)bias, (void)y, (void)m_dim, (void)num_threads;
+}
 #endif
 
 void packed_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                    int num_threads) {
     const int64_t k_dim = w->cols, n_dim = w->rows;
-    if ((w->kind == WK_Q4 || w->kind == WK_Q8) && m_dim <= FUSED_ROWS) {
+    if (rounds_activations(w) && m_dim <= FUSED_ROWS) {
         fused_linear(w, x, bias, y, m_dim, num_threads);
         return;
+    }
+    if (w->kind == WK_BF16 && m_dim <= FUSED_ROWS) {
+        bf16_linear(w, x, bias, y, m_dim, num_threads);
+        return;
+    }
+    float *rounded = 0;
+    if (rounds_activations(w)) { /* as the fused path reads x (see rounds_activations) */
+        rounded = malloc(sizeof(float) * m_dim * k_dim);
+        if (rounded) { /* out of memory: x unrounded, a rounding's difference from the rest */
+            round_activations(x, m_dim, k_dim, rounded);
+            x = rounded;
+        }
     }
 #pragma omp parallel num_threads(num_threads)
     {
@@ -279,6 +394,7 @@ void packed_linear(const struct packed_weight *w, const float *x, const float *b
             for (; m < m_dim; ++m) y[m * n_dim + n] = dot(row, x + m * k_dim, k_dim) + b;
         }
     }
+    free(rounded);
 }
 
 void packed_dequantize(const struct packed_weight *w, int64_t start, int64_t end, float *out, int num_threads) {

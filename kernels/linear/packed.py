@@ -7,6 +7,8 @@
   kernel's row loop by ~1.3x on a 3072 x 576 projection); a tile is at most TILE_ELEMENTS
   weights, so the fp32 copy is a bounded scratch, never the whole matrix.
 Without the C build (or under CADENZA_KERNELS=torch) the torch reference decodes the tiles.
+On the CPU the q4 / q8 formats read x rounded to int8 per block of 32 in every path (see
+csrc/packed_linear.c), so a request's tokens do not depend on its batch's size.
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ from __future__ import annotations
 import torch
 
 from cadenza.kernels.backend import backend
-from cadenza.kernels.cpu.packed import BoundWeight, packed_available, packed_dequantize, packed_gather, packed_linear
+from cadenza.kernels.cpu.packed import (
+    BoundWeight,
+    packed_available,
+    packed_dequantize,
+    packed_gather,
+    packed_linear,
+    round_activations,
+)
 from cadenza.kernels.linear.base import LinearMethod
-from cadenza.kernels.quant.dequantize import dequantize
+from cadenza.kernels.quant.dequantize import dequantize, round_activations_ref
 from cadenza.kernels.quant.weight import PackedWeight
 
 PACKED_FEW_ROWS = 16
@@ -41,6 +50,8 @@ class PackedLinear(LinearMethod):
 
     def _tiled(self, x: torch.Tensor, bias: torch.Tensor | None, bound: BoundWeight | None) -> torch.Tensor:
         w = self.weight
+        if w.rounds_activations and not x.is_cuda:  # as the few-row kernel reads x (one function, any batch)
+            x = round_activations(x) if bound is not None else round_activations_ref(x)
         y = torch.empty(x.shape[0], w.rows, dtype=x.dtype, device=x.device)
         step = max(TILE_ELEMENTS // w.cols, 1)
         for start in range(0, w.rows, step):

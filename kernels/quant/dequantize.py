@@ -27,6 +27,15 @@ def dequantize(w: PackedWeight, start: int = 0, end: int | None = None) -> torch
     return _q6_k(data.view(end - start, -1, 210)).view(end - start, w.cols)
 
 
+def round_activations_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded to int8 per block of 32 along K (scale = the block's max / 127), as
+    the q4 / q8 kernels read it: csrc/packed_linear.c's round_activations in torch."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
+
+
 def _grouped(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int) -> torch.Tensor:
     rows, cols = codes.shape
     g = codes.view(rows, cols // group, group) * scales.float()[..., None]

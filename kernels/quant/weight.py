@@ -99,6 +99,11 @@ class PackedWeight:
             self, cols=end - start, data=data, group=group, scales=groups(self.scales), mins=groups(self.mins)
         )
 
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether x is read rounded to int8 per block of 32 (csrc/packed_linear.c says why)."""
+        return self.kind in ("q4", "q8") and self.cols % SUBBLOCK == 0
+
     def gguf_label(self) -> str:
         """The GGUF type this storage holds ("q4_1", "q8_0", "q6_k", "bf16", ...)."""
         if self.kind == "q8":
