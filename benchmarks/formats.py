@@ -31,16 +31,20 @@ from cadenza.models.loader import resolve_model_path
 from cadenza.outputs import RequestOutput
 from cadenza.sampling_params import SamplingParams
 
-# Format name -> the LLM keyword arguments that select it.
-FORMATS: dict[str, dict[str, str]] = {
+# Format name -> the LLM keyword arguments that select it. "-a8": the CPU's q4 / q8 kernels
+# with int8_activations (x rounded to int8 per block of 32, as llama.cpp; not exact).
+FORMATS: dict[str, dict[str, str | bool]] = {
     "fp32": {"dtype": "float32", "quantization": "none"},
     "bf16": {"dtype": "bfloat16", "quantization": "none"},
     "fp16": {"dtype": "float16", "quantization": "none"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
     "gguf": {"quantization": "gguf"},
+    "int8-a8": {"quantization": "int8", "int8_activations": True},
+    "int4-a8": {"quantization": "int4", "int8_activations": True},
+    "gguf-a8": {"quantization": "gguf", "int8_activations": True},
 }
-DEFAULT_FORMATS = ("fp32", "bf16", "int8", "int4", "gguf")
+DEFAULT_FORMATS = ("fp32", "bf16", "int8", "int4", "gguf", "int8-a8", "int4-a8", "gguf-a8")
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx")
 SINGLE_PROMPT_LEN = 32  # the single-stream decode's prompt: short, so decode dominates
 BATCH_INPUT_LEN = (84, 116)  # about 100 tokens in
@@ -148,8 +152,8 @@ def gguf_stored_type(model: str) -> str | None:
 
 
 def format_label(name: str, model: str) -> str:
-    stored = gguf_stored_type(model) if name == "gguf" else None
-    return f"gguf-{stored}" if stored else name
+    stored = gguf_stored_type(model) if name.startswith("gguf") else None
+    return name.replace("gguf", f"gguf-{stored}") if stored else name
 
 
 def _model(llm: Any) -> Any:

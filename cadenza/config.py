@@ -79,7 +79,11 @@ class EngineConfig:
     dtype: "auto" (bf16 on CUDA and on CPUs with native bf16 dot products, else fp32),
     "float32", "bfloat16" or "float16". quantization: None (a GGUF keeps its stored types),
     "none" (dense in dtype), "gguf", "int8" or "int4" (weight-only, on load);
-    quantization_group_size: int4's group (32, 64 or 128). See cadenza.weight_format.
+    quantization_group_size: int4's group (32, 64 or 128). int8_activations: on the CPU the
+    q4 / q8 kernels (int8, int4, GGUF Q8_0 / Q4_0 / Q4_1) multiply x rounded to int8 per
+    block of 32, as llama.cpp does: faster decode, a little perplexity, and greedy tokens that
+    may vary with batch composition and prefix-cache hits (off: weight-only, exact). See
+    cadenza.weight_format.
 
     block_size: tokens per KV block. num_blocks / kv_cache_memory: KV pool size, as a block
     count or in bytes (num_blocks wins). max_num_seqs: requests running at once.
@@ -108,6 +112,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str | None = None
     quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE
+    int8_activations: bool = False
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None
@@ -174,4 +179,6 @@ class EngineConfig:
 
     @property
     def weight_format(self) -> WeightFormat:
-        return WeightFormat.resolve(self.dtype, self.quantization, self.quantization_group_size, self.device)
+        return WeightFormat.resolve(
+            self.dtype, self.quantization, self.quantization_group_size, self.device, self.int8_activations
+        )

@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="none: dense in --dtype; gguf: keep a GGUF's types (the default for .gguf); int8/int4: on load",
     )
     p.add_argument("--quantization-group-size", type=int, default=DEFAULT_INT4_GROUP_SIZE, choices=INT4_GROUP_SIZES)
+    p.add_argument(
+        "--int8-activations", action="store_true", help="CPU q4/q8 kernels read x rounded to int8 (faster, not exact)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -52,6 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        int8_activations=args.int8_activations,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -77,15 +77,18 @@ class WeightFormat:
     keep_gguf: bool = False
     compute_dtype: torch.dtype = torch.float32
     gguf_only: bool = False  # quantization="gguf": an error for a file that is not GGUF
+    int8_activations: bool = False  # CPU q4 / q8 kernels read x rounded to int8 (llama.cpp's way)
 
     @classmethod
-    def resolve(cls, dtype: str, quantization: str | None, group_size: int, device: str) -> WeightFormat:
+    def resolve(
+        cls, dtype: str, quantization: str | None, group_size: int, device: str, int8_activations: bool = False
+    ) -> WeightFormat:
         check_format(dtype, quantization, group_size)
         resolved = resolve_dtype(dtype, device)
         on_load = quantization if quantization in ("int8", "int4") else None
         compute = DTYPES[resolved] if device.startswith("cuda") else torch.float32
         keep = quantization in (None, "gguf")
-        return cls(resolved, on_load, group_size, keep, compute, quantization == "gguf")
+        return cls(resolved, on_load, group_size, keep, compute, quantization == "gguf", int8_activations)
 
     @property
     def dense_kind(self) -> str:
@@ -93,6 +96,5 @@ class WeightFormat:
 
     def describe(self) -> str:
         """A short name for logs and /stats: "int4-g64", "bf16", ..."""
-        if self.quantization == "int4":
-            return f"int4-g{self.group_size}"
-        return self.quantization or self.dense_kind
+        name = f"int4-g{self.group_size}" if self.quantization == "int4" else self.quantization or self.dense_kind
+        return f"{name}-a8" if self.int8_activations else name

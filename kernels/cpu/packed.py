@@ -19,6 +19,7 @@ class CPackedWeight(ctypes.Structure):
         ("rows", ctypes.c_int64),
         ("cols", ctypes.c_int64),
         ("group", ctypes.c_int64),
+        ("round_x", ctypes.c_int64),
         ("data", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
         ("mins", ctypes.c_void_p),
@@ -26,9 +27,10 @@ class CPackedWeight(ctypes.Structure):
 
 
 class BoundWeight:
-    """A PackedWeight with its C descriptor; holding the weight keeps the pointers valid."""
+    """A PackedWeight with its C descriptor; holding the weight keeps the pointers valid.
+    round_x: q4 / q8 read x rounded to int8 per block of 32 (csrc/packed_linear.c)."""
 
-    def __init__(self, weight: PackedWeight) -> None:
+    def __init__(self, weight: PackedWeight, round_x: bool = False) -> None:
         if weight.device.type != "cpu" or not all(t.is_contiguous() for t in weight.tensors()):
             raise ValueError("the C packed kernels take contiguous CPU storage")
         self.weight = weight
@@ -37,7 +39,7 @@ class BoundWeight:
             return None if t is None else t.data_ptr()
 
         self.c = CPackedWeight(
-            KIND_CODES[weight.kind], weight.rows, weight.cols, weight.group,
+            KIND_CODES[weight.kind], weight.rows, weight.cols, weight.group, int(round_x),
             address(weight.data), address(weight.scales), address(weight.mins),
         )  # fmt: skip
         self.address = ctypes.addressof(self.c)

@@ -34,6 +34,7 @@ void gemv_rows(const float *x, const float *w, const float *bias, float *y, int6
 enum weight_kind { WK_F32, WK_BF16, WK_F16, WK_Q8, WK_Q4, WK_Q4_K, WK_Q6_K };
 struct packed_weight {
     int64_t kind, rows, cols, group;
+    int64_t round_x; /* q4 / q8: read x rounded to int8 per block of 32 (packed_linear.c) */
     const void *data, *scales, *mins;
 };
 /* y [m, rows] = x [m, cols] W^T (+ b). */

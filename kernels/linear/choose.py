@@ -17,7 +17,7 @@ from cadenza.kernels.quant.weight import PackedWeight
 TRITON_KINDS = ("q8", "q4")
 
 
-def choose_linear_method(weight: nn.Parameter | list[PackedWeight]) -> LinearMethod:
+def choose_linear_method(weight: nn.Parameter | list[PackedWeight], int8_activations: bool = False) -> LinearMethod:
     """The method for one projection, picked once at load time (after sharding, so it sees
     this rank's slice); it may take a dense weight_t over.
 
@@ -25,20 +25,20 @@ def choose_linear_method(weight: nn.Parameter | list[PackedWeight]) -> LinearMet
     where this host builds it; anything else, and one-element
     placeholders (a pipeline stage's unused lm_head), stays dense through torch.
     Packed weights (one part, or several stacked by rows when a fused projection's parts are
-    stored in different formats): the C packed kernels on the CPU, Triton on CUDA."""
+    stored in different formats): the C packed kernels on the CPU, Triton on CUDA;
+    int8_activations: the CPU's q4 / q8 kernels read x rounded to int8 (see packed.py)."""
     if isinstance(weight, list):
-        if len(weight) > 1:
-            return StackedLinear([_packed_method(part) for part in weight])
-        return _packed_method(weight[0])
+        methods = [_packed_method(part, int8_activations) for part in weight]
+        return methods[0] if len(methods) == 1 else StackedLinear(methods)
     on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
     if not on_cpu_fp32 or weight.numel() <= 1:
         return DenseLinear(weight)
     return CpuFp32Linear(weight, few_rows_kernel=gemv_available())
 
 
-def _packed_method(weight: PackedWeight) -> LinearMethod:
+def _packed_method(weight: PackedWeight, int8_activations: bool) -> LinearMethod:
     if weight.device.type == "cuda" and weight.kind in TRITON_KINDS:
         from cadenza.kernels.linear.triton_packed import TritonPackedLinear  # Triton only where CUDA is
 
         return TritonPackedLinear(weight)
-    return PackedLinear(weight)
+    return PackedLinear(weight, int8_activations)

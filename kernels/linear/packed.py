@@ -7,8 +7,8 @@
   kernel's row loop by ~1.3x on a 3072 x 576 projection); a tile is at most TILE_ELEMENTS
   weights, so the fp32 copy is a bounded scratch, never the whole matrix.
 Without the C build (or under CADENZA_KERNELS=torch) the torch reference decodes the tiles.
-On the CPU the q4 / q8 formats read x rounded to int8 per block of 32 in every path (see
-csrc/packed_linear.c), so a request's tokens do not depend on its batch's size.
+With int8_activations the q4 / q8 formats read x rounded to int8 per block of 32 in every
+path (see csrc/packed_linear.c); without it (the default) every path is exact fp32.
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ TILE_ELEMENTS = 1 << 20  # 4 MB of fp32: one decoded tile, in L2/L3 while the GE
 
 
 class PackedLinear(LinearMethod):
-    def __init__(self, weight: PackedWeight) -> None:
+    """int8_activations: q4 / q8 read x rounded to int8 per block of 32 in every path."""
+
+    def __init__(self, weight: PackedWeight, int8_activations: bool = False) -> None:
         self.weight = weight
+        self.round_x = int8_activations and weight.can_round_activations
         on_cpu = weight.device.type == "cpu"
-        self.bound = BoundWeight(weight) if on_cpu and packed_available() else None
+        self.bound = BoundWeight(weight, self.round_x) if on_cpu and packed_available() else None
 
     def _c(self) -> BoundWeight | None:
         # The backend is read per call: CADENZA_KERNELS=torch runs the reference.
@@ -50,7 +53,7 @@ class PackedLinear(LinearMethod):
 
     def _tiled(self, x: torch.Tensor, bias: torch.Tensor | None, bound: BoundWeight | None) -> torch.Tensor:
         w = self.weight
-        if w.rounds_activations and not x.is_cuda:  # as the few-row kernel reads x (one function, any batch)
+        if self.round_x and not x.is_cuda:  # as the few-row kernel reads x, whatever the batch
             x = round_activations(x) if bound is not None else round_activations_ref(x)
         y = torch.empty(x.shape[0], w.rows, dtype=x.dtype, device=x.device)
         step = max(TILE_ELEMENTS // w.cols, 1)

@@ -100,8 +100,9 @@ class PackedWeight:
         )
 
     @property
-    def rounds_activations(self) -> bool:
-        """Whether x is read rounded to int8 per block of 32 (csrc/packed_linear.c says why)."""
+    def can_round_activations(self) -> bool:
+        """Whether the int8_activations kernels apply (q4 / q8 in blocks of 32: see
+        csrc/packed_linear.c); other kinds always multiply x as it is."""
         return self.kind in ("q4", "q8") and self.cols % SUBBLOCK == 0
 
     def gguf_label(self) -> str:

@@ -86,34 +86,38 @@ def _rejoin(w: PackedWeight, type_name: str) -> np.ndarray:
     return torch.cat([*fields, codes], dim=2).reshape(w.rows, -1).numpy()
 
 
-def _expected(w: PackedWeight, x: torch.Tensor, reference: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Dequantize, then matmul, with x as the q4 / q8 formats read it (rounded to int8 per 32)."""
-    return (round_activations_ref(x) if w.rounds_activations else x) @ reference.T + bias
+def _expected(
+    w: PackedWeight, x: torch.Tensor, reference: torch.Tensor, bias: torch.Tensor, round_x: bool
+) -> torch.Tensor:
+    """Dequantize, then matmul; with int8 activations, x rounded as the q4 / q8 kernels read it."""
+    return (round_activations_ref(x) if round_x and w.can_round_activations else x) @ reference.T + bias
 
 
 @needs_c
+@pytest.mark.parametrize("round_x", [False, True], ids=["exact", "int8-activations"])
 @pytest.mark.parametrize(("shape", "name"), CASES, ids=[f"{s[0]}x{s[1]}-{n}" for s, n in CASES])
-def test_the_c_kernel_matches_dequantize_then_matmul(shape: tuple[int, int], name: str) -> None:
+def test_the_c_kernel_matches_dequantize_then_matmul(shape: tuple[int, int], name: str, round_x: bool) -> None:
     w = _formats(*shape)[name]
-    bound, reference = BoundWeight(w), dequantize(w)
+    bound, reference, method = BoundWeight(w, round_x), dequantize(w), PackedLinear(w, int8_activations=round_x)
     bias = torch.randn(w.rows)
     for rows in ROWS:
         x = torch.randn(rows, w.cols, generator=torch.Generator().manual_seed(rows))
-        expected, tol = _expected(w, x, reference, bias), 1e-4 * (1 + x.abs() @ reference.abs().T)
+        expected, tol = _expected(w, x, reference, bias, round_x), 1e-4 * (1 + x.abs() @ reference.abs().T)
         assert ((packed_linear(bound, x, bias) - expected).abs() <= tol).all(), f"{rows} rows"
-        assert ((PackedLinear(w).apply(x, bias) - expected).abs() <= tol).all(), f"{rows} rows, the method"
+        assert ((method.apply(x, bias) - expected).abs() <= tol).all(), f"{rows} rows, the method"
     assert torch.equal(packed_dequantize(bound, 3, 11), reference[3:11])
     ids = torch.tensor([5, 0, w.rows - 1, 5])
     assert torch.equal(packed_gather(bound, ids), reference[ids])
 
 
+@pytest.mark.parametrize("round_x", [False, True], ids=["exact", "int8-activations"])
 @pytest.mark.parametrize("rows", [1, PACKED_FEW_ROWS + 1])
-def test_the_torch_backend_runs_the_reference(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+def test_the_torch_backend_runs_the_reference(monkeypatch: pytest.MonkeyPatch, rows: int, round_x: bool) -> None:
     monkeypatch.setenv("CADENZA_KERNELS", "torch")
     w = quantize_int4(torch.randn(20, 64), 32)
     x = torch.randn(rows, 64)
-    method = PackedLinear(w)
-    expected = round_activations_ref(x) @ dequantize(w).T
+    method = PackedLinear(w, int8_activations=round_x)
+    expected = (round_activations_ref(x) if round_x else x) @ dequantize(w).T
     torch.testing.assert_close(method.apply(x, None), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(method.gather_rows(torch.tensor([3, 1])), dequantize(w)[[3, 1]])
 
@@ -139,14 +143,14 @@ def test_rows_and_columns_slice_and_stack_like_the_dense_weight() -> None:
 
 
 @needs_c
+@pytest.mark.parametrize("round_x", [False, True], ids=["exact", "int8-activations"])
 @pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 40])
-def test_a_row_gets_the_same_result_in_any_batch(rows: int) -> None:
-    """The fused int8 path (<= 8 rows), the decode-row path and the BLAS tiles read the same
-    rounded x: a request's output does not depend on its batch (greedy stays greedy)."""
-    w = _gguf_blocks("Q4_1", 64, 576, 3)
+def test_a_row_gets_the_same_result_in_any_batch(rows: int, round_x: bool) -> None:
+    """The fused path (<= 8 rows), the decode-row path and the BLAS tiles compute one function
+    (with int8 activations, of the same rounded x): a row's output does not depend on its batch."""
+    method = PackedLinear(_gguf_blocks("Q4_1", 64, 576, 3), int8_activations=round_x)
     x = torch.randn(rows, 576)
-    alone = PackedLinear(w).apply(x[:1], None)
-    torch.testing.assert_close(PackedLinear(w).apply(x, None)[:1], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(method.apply(x, None)[:1], method.apply(x[:1], None), rtol=1e-5, atol=1e-5)
 
 
 def test_rounded_activations_match_the_reference() -> None:
