@@ -194,6 +194,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
+        "weights": model.weights_label,  # the format as loaded (--dtype / --quantization resolved)
         "num_requests": args.num_requests,
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -91,7 +91,7 @@ def weights_label(model: LlamaForCausalLM, fmt: WeightFormat) -> str:
             sizes[part.gguf_label()] += part.rows * part.cols
     if not fmt.keep_gguf or not sizes:
         return fmt.describe()
-    return f"gguf-{sizes.most_common(1)[0][0]}"
+    return f"gguf-{sizes.most_common(1)[0][0]}" + ("-a8" if fmt.int8_activations else "")
 
 
 def planned_weights_label(name: str, fmt: WeightFormat) -> str:
