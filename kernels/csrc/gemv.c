@@ -60,13 +60,17 @@ static inline void dot4(const float *row, const float *x, int64_t k_dim, float b
 /* y [m, n] = x [m, k] W^T (+ b) for a few rows x: each W row is read from memory once and
  * reused from L1 for every row of x, so up to a handful of rows (k + 1 speculative
  * verification, small decode batches) cost about what one row does. */
+/* One W row against every row of x: y[m * n_dim] for each m (y points at column n). */
+static inline void row_against_rows(const float *row, const float *x, int64_t m_dim, int64_t k_dim, float b,
+                                    float *y, int64_t n_dim) {
+    int64_t m = 0;
+    for (; m + 4 <= m_dim; m += 4) dot4(row, x + m * k_dim, k_dim, b, y + m * n_dim, n_dim);
+    for (; m < m_dim; ++m) y[m * n_dim] = dot(row, x + m * k_dim, k_dim) + b; /* one row: the stream */
+}
+
 void gemv_rows(const float *x, const float *w, const float *bias, float *y, int64_t m_dim,
                int64_t k_dim, int64_t n_dim, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < n_dim; ++n) {
-        const float *row = w + n * k_dim, b = bias ? bias[n] : 0.0f;
-        int64_t m = 0;
-        for (; m + 4 <= m_dim; m += 4) dot4(row, x + m * k_dim, k_dim, b, y + m * n_dim + n, n_dim);
-        for (; m < m_dim; ++m) y[m * n_dim + n] = dot(row, x + m * k_dim, k_dim) + b; /* one row: the stream */
-    }
+    for (int64_t n = 0; n < n_dim; ++n)
+        row_against_rows(w + n * k_dim, x, m_dim, k_dim, bias ? bias[n] : 0.0f, y + n, n_dim);
 }

@@ -504,10 +504,7 @@ void packed_linear(const struct packed_weight *w, const float *x, const float *b
         float buf[k_dim]; /* the decoded row: L1-resident, one per thread */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < n_dim; ++n) {
-            const float *row = decode_row(w, n, buf), b = bias ? bias[n] : 0.0f;
-            int64_t m = 0;
-            for (; m + 4 <= m_dim; m += 4) dot4(row, x + m * k_dim, k_dim, b, y + m * n_dim + n, n_dim);
-            for (; m < m_dim; ++m) y[m * n_dim + n] = dot(row, x + m * k_dim, k_dim) + b;
+            row_against_rows(decode_row(w, n, buf), x, m_dim, k_dim, bias ? bias[n] : 0.0f, y + n, n_dim);
         }
     }
     free(rounded);

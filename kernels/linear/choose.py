@@ -11,10 +11,7 @@ from cadenza.kernels.linear.cpu_fp32 import CpuFp32Linear
 from cadenza.kernels.linear.dense import DenseLinear
 from cadenza.kernels.linear.packed import PackedLinear
 from cadenza.kernels.linear.stacked import StackedLinear
-from cadenza.kernels.quant.weight import PackedWeight
-
-# Kinds the Triton kernels read on CUDA; others are decoded tile by tile there.
-TRITON_KINDS = ("q8", "q4")
+from cadenza.kernels.quant.weight import TRITON_KINDS, PackedWeight
 
 
 def choose_linear_method(weight: nn.Parameter | list[PackedWeight], int8_activations: bool = False) -> LinearMethod:

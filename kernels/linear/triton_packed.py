@@ -8,8 +8,8 @@ import torch
 
 from cadenza.kernels.backend import backend
 from cadenza.kernels.linear.base import LinearMethod
-from cadenza.kernels.quant.triton_gemm import TRITON_KINDS, packed_matmul_ref, packed_matmul_triton
-from cadenza.kernels.quant.weight import PackedWeight
+from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+from cadenza.kernels.quant.weight import TRITON_KINDS, PackedWeight
 
 
 class TritonPackedLinear(LinearMethod):

@@ -22,10 +22,9 @@ import triton
 import triton.language as tl
 
 from cadenza.kernels.quant.dequantize import dequantize
-from cadenza.kernels.quant.weight import SUBBLOCK, PackedWeight
+from cadenza.kernels.quant.weight import SUBBLOCK, TRITON_KINDS, PackedWeight
 from cadenza.kernels.triton_common import dot_precision, dot_tile
 
-TRITON_KINDS = ("q8", "q4")  # the PackedWeight kinds packed_matmul_triton reads
 MAX_BLOCK_K = 128
 
 

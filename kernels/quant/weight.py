@@ -31,6 +31,8 @@ DENSE_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float1
 KINDS = (*DENSE_KINDS, "q8", "q4", "q4_k", "q6_k")
 # The integer each kind has in csrc/cadenza_kernels.h (enum weight_kind).
 KIND_CODES = {kind: code for code, kind in enumerate(KINDS)}
+# The kinds kernels/quant/triton_gemm.py reads on CUDA (here, so choosing a method needs no Triton).
+TRITON_KINDS = ("q8", "q4")
 
 
 @dataclass(frozen=True)
