@@ -12,6 +12,7 @@ the `async for` early or cancelling the task aborts the request, which frees its
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from cadenza.actors.engine_actor import EngineActor
 from cadenza.actors.local_ray import ensure_ray
 from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
-from cadenza.errors import EngineDeadError
+from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.messages import EngineRequest
 from cadenza.models.loader import load_tokenizer, read_model
 from cadenza.models.shard import stage_layers
@@ -30,6 +31,7 @@ from cadenza.models.tp import check_tp
 from cadenza.stats import ServingStats
 
 _RemoteEngine = ray.remote(EngineActor)
+log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
@@ -46,20 +48,23 @@ class AsyncLLM(StreamingClient):
         self.tokenizer = load_tokenizer(path, self.model_config)
         ensure_ray(self.config.world_size)
         codec.register()
-        self.engine = _RemoteEngine.options(num_cpus=0).remote(self.config)
+        self.engine = _new_engine(self.config)
         try:
             self.max_model_len: int = ray.get(self.engine.start.remote())
         except ray.exceptions.RayError as e:
             ray.kill(self.engine)
             raise RuntimeError(f"the engine failed to start: {e}") from e
         self.request_limits = self.config.request_limits(self.model_config.vocab_size, self.max_model_len)
+        self._engine_restarts = 0
 
     async def stats(self) -> ServingStats:
         self._check_alive()
         try:
-            return await self.engine.stats.remote()
+            stats = await self.engine.stats.remote()
         except ray.exceptions.RayActorError as e:
             raise self._actor_died(e) from e
+        stats.num_engine_restarts = self._engine_restarts
+        return stats
 
     async def check_health(self) -> None:
         """Raises when the engine cannot serve."""
@@ -101,7 +106,33 @@ class AsyncLLM(StreamingClient):
         await self.engine.abort.remote(request_ids)
 
     def _actor_died(self, error: BaseException) -> EngineDeadError:
+        """The engine actor is gone. While it may still be replaced, this call fails alone (the
+        pump, parked on the engine, sees the death too and replaces it); after that, for good."""
+        if not self._dead and self._engine_restarts < self.config.max_engine_restarts:
+            self._ensure_pump()
+            return EngineDeadError(f"the engine actor died ({type(error).__name__}); it is being restarted")
         return self._mark_dead(f"the engine actor died: {type(error).__name__}")
+
+    async def _replace_engine(self, error: BaseException) -> bool:
+        """A dead engine actor (under the local executor, a crash in the model) is replaced, up
+        to max_engine_restarts times: the requests in flight fail with the reason (their KV and
+        queue died with it), later ones run on the new engine. False: it stays dead."""
+        if self._dead or self._engine_restarts >= self.config.max_engine_restarts:
+            return False
+        self._engine_restarts += 1
+        reason = f"the engine actor died ({type(error).__name__}); it was restarted, retry the request"
+        log.error("%s (restart %d of %d)", reason, self._engine_restarts, self.config.max_engine_restarts)
+        failed = RequestFailedError(reason)
+        for queue in set(self._queues.values()):
+            queue.put_nowait(failed)
+        ray.kill(self.engine)  # whatever is left of it
+        self.engine = _new_engine(self.config)
+        try:
+            await self.engine.start.remote()
+        except ray.exceptions.RayError as e:
+            log.error("the replacement engine failed to start: %s", e)
+            return False
+        return True
 
     async def _pull_outputs(self) -> None:
         ack = 0
@@ -109,7 +140,27 @@ class AsyncLLM(StreamingClient):
             try:
                 batch = await self.engine.get_outputs.remote(ack)
             except ray.exceptions.RayActorError as e:
-                self._actor_died(e)
-                return
-            ack = batch.last
-            self._route(time.monotonic(), batch.outputs)
+                if not await self._replace_engine(e):
+                    self._mark_dead(f"the engine actor died: {type(e).__name__}")
+                    return
+                ack = 0
+                continue
+            ack, arrival = batch.last, time.monotonic()
+            if self.recorder is not None:
+                self.recorder.on_batch(batch.timings, arrival)
+            self._route(arrival, batch.outputs)
+
+
+def _new_engine(config: EngineConfig) -> ray.actor.ActorHandle:
+    return _RemoteEngine.options(**engine_resources(config)).remote(config)
+
+
+def engine_resources(config: EngineConfig) -> dict[str, float]:
+    """The engine actor's Ray resources: none of its own beside worker actors; a worker's
+    (CPUs, and the GPU on CUDA) when the model runs in its process (executor "local")."""
+    if config.executor_kind != "local":
+        return {"num_cpus": 0}
+    gpus = config.num_gpus_per_worker
+    if gpus is None:
+        gpus = 1.0 if config.device.startswith("cuda") else 0.0
+    return {"num_cpus": config.num_cpus_per_worker or 1.0, "num_gpus": gpus}

@@ -1,7 +1,16 @@
-"""KV block pool: fixed-size blocks, reference counts, an LRU free queue and a prefix cache.
+"""KV block pool: fixed-size blocks, reference counts, a free queue and a prefix cache.
 
 A freed block keeps its hash until it is handed out again, so a later request with the same
-prefix finds it; the free queue's order decides which cached block is evicted first.
+prefix finds it. Allocation prefers, in order:
+  1. a free block that was used before and holds no hash, the most recently freed first: its
+     KV pages are already resident (and likely warm in cache);
+  2. a never-used block, in id order: its KV memory may never have been touched (the workers
+     allocate the pool lazily-backed), so handing these out only on demand keeps the
+     process's resident memory to what the load really needs;
+  3. the least recently freed cached block, whose hash is evicted (the prefix cache's LRU).
+So a cached block is only evicted when no uncached or untouched block is free, and the
+touched part of the pool grows only with the number of blocks in use at once, never with
+churn (a plain LRU queue would cycle through, and touch, every block).
 """
 
 from __future__ import annotations
@@ -22,8 +31,16 @@ class KVBlock:
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # NOTE: ordered least- to most-recently freed; allocation takes from the front.
+        # Every free block, least- to most-recently freed (the never-used ones first, in id
+        # order): once only cached blocks are free, the front is the one to evict.
         self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # The free blocks that were used before and hold no hash, in the same order; reused
+        # from the back (the warmest).
+        self.warm: OrderedDict[int, KVBlock] = OrderedDict()
+        # Blocks [0, num_touched) have been handed out at least once; the rest never were.
+        # Never-used blocks go out in id order, so one counter is the whole record (and the
+        # high-water mark of the pool's touched KV memory).
+        self.num_touched = 0
         self.cached: dict[bytes, KVBlock] = {}
         self.queries = self.hits = self.evictions = 0
 
@@ -36,19 +53,34 @@ class BlockPool:
         return len(self.free)
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """n blocks from the free queue's front, evicting their cached hashes."""
+        """n free blocks in the order of preference above, evicting any cached hashes."""
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with {len(self.free)} free")
-        blocks = [self.free.popitem(last=False)[1] for _ in range(n)]
+        blocks = [self._take_free() for _ in range(n)]
         for block in blocks:
             self._evict(block)
             block.ref_cnt = 1
         return blocks
 
+    def _take_free(self) -> KVBlock:
+        if self.warm:
+            block_id, block = self.warm.popitem(last=True)
+            del self.free[block_id]
+            return block
+        if self.num_touched < self.num_blocks:
+            block = self.blocks[self.num_touched]
+            self.num_touched += 1
+            del self.free[block.block_id]
+            return block
+        return self.free.popitem(last=False)[1]  # every free block is cached: the LRU one
+
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on (cached) blocks, pulling unreferenced ones out of the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
+                # Only a cached block can be found while free: a never-used one taken here
+                # would be handed out a second time by allocate's id-order counter.
+                assert block.block_hash is not None, f"touched free block {block.block_id} holds no hash"
                 del self.free[block.block_id]
             block.ref_cnt += 1
 
@@ -59,6 +91,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free[block.block_id] = block
+                if block.block_hash is None:
+                    self.warm[block.block_id] = block
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -69,6 +103,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.warm.pop(block.block_id, None)  # blocks are published while held; never mind if not
 
     def reset_cache(self) -> None:
         """Forget every cached hash: the KV those blocks held is gone (the workers were rebuilt),
@@ -77,6 +112,8 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        # Every used block is now free and hashless: reusable first, in the queue's order.
+        self.warm = OrderedDict((bid, b) for bid, b in self.free.items() if bid < self.num_touched)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -88,7 +125,13 @@ class BlockPool:
     def stats(self) -> BlockPoolStats:
         used = self.num_blocks - self.num_free_blocks
         return BlockPoolStats(
-            self.num_blocks, self.num_free_blocks, used / self.num_blocks, self.queries, self.hits, self.evictions
+            self.num_blocks,
+            self.num_free_blocks,
+            used / self.num_blocks,
+            self.queries,
+            self.hits,
+            self.evictions,
+            self.num_touched,
         )
 
     def check_invariants(self) -> None:
@@ -97,4 +140,8 @@ class BlockPool:
             assert (block.ref_cnt == 0) == (block.block_id in self.free), f"block {block.block_id} free-list mismatch"
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, f"block {block.block_id} hash not indexed"
+            if block.block_id >= self.num_touched:
+                assert block.ref_cnt == 0 and block.block_hash is None, f"never-used block {block.block_id} in use"
         assert all(b.block_hash == h for h, b in self.cached.items()), "cache index points at a rehashed block"
+        warm = [bid for bid, b in self.free.items() if bid < self.num_touched and b.block_hash is None]
+        assert list(self.warm) == warm, "the reusable list is not the used, hashless free blocks in queue order"

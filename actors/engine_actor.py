@@ -1,10 +1,13 @@
 """EngineActor: the Ray actor that owns the scheduler and the KV block allocator and runs the
-step loop over its worker actors while there is work.
+step loop while there is work: on the model runner in its own process (LocalExecutor, TP = PP
+= 1) or on its worker actors (RayExecutor).
 
 Every method takes and returns message Structs (cadenza.messages, cadenza.stats) or builtins;
 Ray sends the Structs as msgpack (cadenza.actors.codec). Outputs go back batched: one
 `get_outputs` answer carries every request's deltas since the last one, never a message per
-token. A failed step ends the in-flight requests with an error and rebuilds the workers.
+token, with the StepTiming of each step that produced them. The client keeps one such call
+parked here, so a step's outputs leave the moment they are published, while the next step
+computes. A failed step ends the in-flight requests with an error and rebuilds the workers.
 """
 
 from __future__ import annotations
@@ -12,16 +15,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections import deque
 
 from cadenza.actors import codec
 from cadenza.actors.engine_core import EngineCore
 from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
+from cadenza.actors.local_executor import LocalExecutor
 from cadenza.config import EngineConfig
-from cadenza.messages import EngineOutput, EngineRequest, OutputBatch
+from cadenza.messages import EngineOutput, EngineRequest, ModelRunnerOutput, OutputBatch, SchedulerOutput, StepTiming
 from cadenza.models.loader import load_tokenizer, max_model_len, read_model
 from cadenza.stats import ServingStats
 
 log = logging.getLogger(__name__)
+
+# Timelines of steps that published no output yet (mid-prompt chunks) wait for the next batch;
+# past this many the oldest are dropped (a client that stopped reading must not grow them).
+MAX_PENDING_TIMINGS = 256
 
 
 class EngineActor:
@@ -31,10 +41,12 @@ class EngineActor:
         tokenizer = load_tokenizer(path, model_config)
         eos = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
         self.core = EngineCore(config, model_config, max_model_len(model_config, config.max_model_len), eos)
-        self.executor = RayExecutor(config, self.core.num_blocks, eos)
+        executor = LocalExecutor if config.executor_kind == "local" else RayExecutor
+        self.executor: LocalExecutor | RayExecutor = executor(config, self.core.num_blocks, eos)
         # Published batches are kept until the client acknowledges them, so a client whose
         # event loop went away mid-call loses nothing: its next call simply asks again.
-        self._batches: list[tuple[int, list[EngineOutput]]] = []
+        self._batches: list[tuple[int, list[EngineOutput], list[StepTiming]]] = []
+        self._timings: deque[StepTiming] = deque(maxlen=MAX_PENDING_TIMINGS)
         self._published = 0
         self._new_batch = asyncio.Event()
         self._fatal: str | None = None
@@ -50,6 +62,7 @@ class EngineActor:
         except BaseException:
             self.executor.shutdown()  # do not leave a half-built group holding resources
             raise
+        self.core.weight_bytes = self.executor.weight_bytes
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         self._loop_task.add_done_callback(self._on_loop_exit)
         return self.core.max_model_len
@@ -74,8 +87,9 @@ class EngineActor:
         self._batches = [b for b in self._batches if b[0] > ack]
         while self._published <= ack:
             await self._new_batch.wait()
-        outputs = [out for n, batch in self._batches if n > ack for out in batch]
-        return OutputBatch(last=self._published, outputs=outputs)
+        fresh = [b for b in self._batches if b[0] > ack]
+        outputs = [out for _, batch, _ in fresh for out in batch]
+        return OutputBatch(last=self._published, outputs=outputs, timings=[t for *_, ts in fresh for t in ts])
 
     async def health(self) -> str | None:
         """None when serving; else why not."""
@@ -85,6 +99,7 @@ class EngineActor:
         return ServingStats(
             engine=self.core.stats(),
             num_workers=len(self.executor.workers),
+            executor=self.executor.kind,
             worker_pids=list(self.executor.pids),
             num_worker_restarts=self._restarts,
             num_steps=self._steps,
@@ -105,7 +120,8 @@ class EngineActor:
     def _publish(self, outputs: list[EngineOutput]) -> None:
         if outputs:
             self._published += 1
-            self._batches.append((self._published, outputs))
+            self._batches.append((self._published, outputs, list(self._timings)))
+            self._timings.clear()
             self._new_batch.set()
             self._new_batch = asyncio.Event()
 
@@ -122,12 +138,14 @@ class EngineActor:
         worker raised or processing its output did; every request when scheduling itself broke
         (the scheduler's state is not to be trusted); never silently."""
         core = self.core
+        scheduled = time.monotonic()
         try:
             so = core.scheduler.schedule()
         except Exception as e:
             self._internal_error("scheduling", e, list(core.scheduler.requests))
             return
         self._publish(core.scheduler.take_failed())
+        dispatched = time.monotonic()
         try:
             out = await self.executor.execute(so)
         except StepError as e:
@@ -137,11 +155,18 @@ class EngineActor:
         except WorkerFailure as e:
             await self._recover(str(e))
             return
+        returned = time.monotonic()
         self._steps += 1
         try:
-            self._publish(core.scheduler.update(so, out))
+            outputs = core.scheduler.update(so, out)
         except Exception as e:
             self._internal_error("processing a step's output", e, list(so.num_scheduled_tokens))
+            return
+        for output in outputs:
+            output.step = self._steps
+        if out.timing:  # a step that ran the model (not bookkeeping alone)
+            self._timings.append(_timing(self._steps, so, out, scheduled, dispatched, returned))
+        self._publish(outputs)
 
     def _internal_error(self, where: str, error: Exception, request_ids: list[str]) -> None:
         log.exception("engine error while %s; failing %d requests", where, len(request_ids))
@@ -181,3 +206,13 @@ class EngineActor:
         except Exception as e:  # e.g. the cluster lost the resources: refuse work from now on
             self._go_fatal(f"the engine could not rebuild its workers: {type(e).__name__}: {e}")
             raise
+
+
+def _timing(
+    step: int, so: SchedulerOutput, out: ModelRunnerOutput, scheduled: float, dispatched: float, returned: float
+) -> StepTiming:
+    started, forwarded, sampled = out.timing
+    return StepTiming(
+        step, len(so.num_scheduled_tokens), so.total_num_scheduled_tokens,
+        scheduled, dispatched, started, forwarded, sampled, returned, time.monotonic(),
+    )  # fmt: skip

@@ -29,13 +29,18 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_size
 
 
-def num_kv_blocks(config: EngineConfig, cfg: ModelConfig) -> int:
-    """Blocks in the pool: kv_cache_memory is the whole model's KV (all layers, all heads),
-    whatever the number of workers that share it."""
+def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, max_model_len: int) -> int:
+    """Blocks in the pool: num_blocks when given; else as many as max_num_seqs requests of
+    max_model_len tokens can use at once (each rounded up to whole blocks), capped by what
+    kv_cache_memory holds, and at least one. Blocks beyond that demand could never all be in
+    use, so they would be memory reserved for nothing. kv_cache_memory is the whole model's
+    KV (all layers, all heads), whatever the number of workers that share it."""
     if config.num_blocks is not None:
         return config.num_blocks
     dtype_size = config.weight_format.compute_dtype.itemsize
-    return max(config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype_size), 1)
+    by_memory = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype_size)
+    by_demand = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return max(min(by_memory, by_demand), 1)
 
 
 class EngineCore:
@@ -51,7 +56,7 @@ class EngineCore:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.num_blocks = num_kv_blocks(config, model_config)
+        self.num_blocks = num_kv_blocks(config, model_config, max_model_len)
         self.kv = KVCacheManager(BlockPool(self.num_blocks), config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -67,6 +72,9 @@ class EngineCore:
         fmt = config.weight_format
         compute = str(fmt.compute_dtype).removeprefix("torch.")
         self.formats = (planned_weights_label(config.model, fmt), fmt.dtype, compute)
+        # Resident weight bytes for stats(), where the model is not this core's runner's (the
+        # engine actor's workers hold it): whoever holds the model may report it here.
+        self.weight_bytes = 0
 
     @classmethod
     def in_process(cls, config: EngineConfig, loaded: LoadedModel) -> EngineCore:
@@ -141,4 +149,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler
         spec = s.spec_stats if s.spec is not None else None
-        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec, *self.formats)
+        weights = self.runner.model.weight_bytes() if self.runner is not None else self.weight_bytes
+        return EngineStats(
+            len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec, *self.formats, weights
+        )

@@ -57,6 +57,8 @@ _FATAL_MARKERS = ("CUDA", "NCCL", "cuDNN", "Gloo", "gloo", "ProcessGroup", "dist
 
 
 class RayExecutor:
+    kind = "ray"
+
     def __init__(self, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.graph: ray.dag.CompiledDAG | None = None
@@ -64,6 +66,7 @@ class RayExecutor:
         self.eos_token_ids = list(eos_token_ids)
         self.stages: list[list[ray.actor.ActorHandle]] = []  # [pp][tp]
         self.pids: list[int] = []
+        self.weight_bytes = 0  # all shards' together
         self.pg: PlacementGroup | None = None
         self.death_watch: list[asyncio.Future] = []
 
@@ -95,6 +98,7 @@ class RayExecutor:
         ]
         url = await self._rendezvous() if cfg.tensor_parallel_size > 1 else None
         self.pids = await asyncio.gather(*(w.load.remote(url) for w in self.workers))
+        self.weight_bytes = sum(await asyncio.gather(*(w.weight_bytes.remote() for w in self.workers)))
         self.death_watch = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
         if self.config.compiled_graph:
             self.graph = self._compile()
@@ -178,13 +182,9 @@ class RayExecutor:
         return _driver_output(results[-len(self.stages[-1])])  # the last stage's rank 0
 
     def _classify(self, e: ray.exceptions.RayTaskError) -> RuntimeError:
-        """An exception raised by Worker.execute in a live actor. With tensor parallelism the
-        peers may sit in a collective the failed rank never joined, so that is a worker fault."""
+        """An exception raised by Worker.execute in a live actor."""
         cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
-        text = f"{type(cause).__name__}: {_first_line(cause)}"
-        if self.config.tensor_parallel_size > 1 or any(m in text for m in _FATAL_MARKERS):
-            return WorkerFailure(f"a worker failed during a step: {text}")
-        return StepError(text)
+        return classify_step_error(cause, self.config.tensor_parallel_size > 1)
 
     def shutdown(self) -> None:
         # Kill first: a graph's teardown waits for every worker's loop, and a survivor may sit
@@ -208,6 +208,15 @@ class RayExecutor:
     async def restart(self) -> None:
         self.shutdown()
         await self.start()
+
+
+def classify_step_error(cause: BaseException, tensor_parallel: bool) -> RuntimeError:
+    """What a step's exception means. With tensor parallelism the peers may sit in a collective
+    the failed rank never joined, so any error there is a worker fault; so is a broken device."""
+    text = f"{type(cause).__name__}: {_first_line(cause)}"
+    if tensor_parallel or any(m in text for m in _FATAL_MARKERS):
+        return WorkerFailure(f"a worker failed during a step: {text}")
+    return StepError(text)
 
 
 def _driver_output(result: StageOutput) -> ModelRunnerOutput:

@@ -4,7 +4,7 @@
     app = cadenza.gateway.app.build_app(client, "SmolLM2-135M-Instruct", GatewaySettings())
 
 The EngineCore (scheduler, KV pool and model runner) is stepped by one task on the event
-loop; each step's forward pass runs in a worker thread, so the loop keeps serving sockets
+loop; each step's forward pass runs on its step thread, so the loop keeps serving sockets
 meanwhile (torch releases the GIL). A lock keeps requests and aborts from touching the
 scheduler while a step is in flight: they wait for the step's end, a few milliseconds.
 For one machine and TP = PP = 1 (`cadenza serve --in-process`); the actor runtime (AsyncLLM)
@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class InProcessClient(StreamingClient):
         # Made on first use on each event loop (asyncio primitives belong to one loop).
         self._sync: tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Event] | None = None
         self._steps = 0
+        # Every step on one thread: each new thread that enters an OpenMP region gets its own
+        # team of threads, and idle teams spin on the cores the working one needs.
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-step")
 
     async def stats(self) -> ServingStats:
         self._check_alive()
@@ -59,6 +63,7 @@ class InProcessClient(StreamingClient):
             num_steps=self._steps,
             compiled_graph=False,
             engine_pid=os.getpid(),
+            executor="in_process",
         )
 
     async def check_health(self) -> None:
@@ -67,6 +72,7 @@ class InProcessClient(StreamingClient):
     def shutdown(self) -> None:
         self._stop_pump()
         self._dead = "the engine was shut down"
+        self._step_thread.shutdown(wait=False)
 
     async def _submit(self, requests: list[EngineRequest]) -> None:
         async with self._loop_lock():
@@ -101,7 +107,7 @@ class InProcessClient(StreamingClient):
 
     async def _step(self) -> list:
         try:
-            outputs = await asyncio.to_thread(self.core.step)
+            outputs = await asyncio.get_running_loop().run_in_executor(self._step_thread, self.core.step)
         except Exception as e:  # the scheduler itself broke: no request can be trusted to go on
             log.exception("the in-process engine failed")
             return self.core.fail_all(f"internal engine error: {type(e).__name__}: {e}")

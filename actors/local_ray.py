@@ -16,13 +16,49 @@ import ray
 
 LOOPBACK = "127.0.0.1"
 NODE_IP_ENV = "CADENZA_RAY_NODE_IP"
+# The object store of a private local instance. Ray's default is 30% of the machine's memory
+# (tens of GB on a server), while Cadenza sends it little: requests and outputs travel as
+# msgpack in actor calls, weights are read from disk by each worker, and a Compiled Graph's
+# channels take a few MB. A small store bounds what it may pin in shared memory.
+LOCAL_OBJECT_STORE_BYTES = 256 << 20
+OBJECT_STORE_ENV = "CADENZA_OBJECT_STORE_BYTES"
+MIN_OBJECT_STORE_BYTES = 75 << 20  # ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES (Ray 2.60)
+# Ray's internals for a private instance. By default the raylet starts one idle Python worker
+# per logical CPU when the first driver connects, for tasks Cadenza never runs; each holds
+# ~80 MB (measured with benchmarks/memory.py, Ray 2.60: 2 CPUs, 665 -> 582 MB of Ray's own
+# processes), so a 16-CPU instance would hold ~1.3 GB of them. Actors start their own worker.
+LOCAL_RAY_SYSTEM_CONFIG: dict[str, Any] = {"prestart_worker_first_driver": False}
+
+
+def local_object_store_bytes() -> int:
+    """$CADENZA_OBJECT_STORE_BYTES, else LOCAL_OBJECT_STORE_BYTES; refused below Ray's minimum
+    here, with the variable's name, rather than deep inside ray.init."""
+    raw = os.environ.get(OBJECT_STORE_ENV)
+    if not raw:
+        return LOCAL_OBJECT_STORE_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{OBJECT_STORE_ENV}={raw!r} is not a whole number of bytes") from None
+    if value < MIN_OBJECT_STORE_BYTES:
+        raise ValueError(f"{OBJECT_STORE_ENV}={value} is below Ray's minimum of {MIN_OBJECT_STORE_BYTES} bytes")
+    return value
 
 
 def local_ray_options(num_cpus: int, node_ip_address: str | None = None) -> dict[str, Any]:
     """ray.init kwargs for a private, local Ray instance: node IP from the argument, else
-    $CADENZA_RAY_NODE_IP, else loopback. Start it with init_local_ray (it needs one more step)."""
+    $CADENZA_RAY_NODE_IP, else loopback; the object store local_object_store_bytes() and no
+    prestarted idle workers (only a new instance takes these: joining a cluster keeps the
+    cluster's). Start it with init_local_ray (it needs one more step)."""
     node_ip = node_ip_address or os.environ.get(NODE_IP_ENV) or LOOPBACK
-    return dict(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=node_ip)
+    return dict(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=local_object_store_bytes(),
+        _node_ip_address=node_ip,
+        _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG),
+    )
 
 
 def init_local_ray(num_cpus: int, node_ip_address: str | None = None, **init_kwargs: Any) -> None:
@@ -51,7 +87,9 @@ def init_local_ray(num_cpus: int, node_ip_address: str | None = None, **init_kwa
     """
     from ray._common.network_utils import is_localhost
 
-    options = {**local_ray_options(num_cpus, node_ip_address), **init_kwargs}
+    options = local_ray_options(num_cpus, node_ip_address)
+    system_config = {**options["_system_config"], **init_kwargs.pop("_system_config", {})}
+    options = {**options, **init_kwargs, "_system_config": system_config}
     _init_keeping_node_ip(options, is_localhost(options["_node_ip_address"]))
 
 

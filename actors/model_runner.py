@@ -3,6 +3,9 @@ over a flattened (varlen) batch, and samples."""
 
 from __future__ import annotations
 
+import math
+import mmap
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,13 +69,29 @@ class Batch:
 def allocate_kv_cache(
     model: LlamaForCausalLM, num_blocks: int, block_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed, so never-written slots that a padded gather reads are finite (0 * NaN would leak)."""
+    """Zeroed, so never-written slots that a padded gather reads are finite (0 * NaN would leak),
+    and on the CPU resident only as blocks are first written (see zeroed_kv_tensor)."""
     dtype, device = model.norm.dtype, model.norm.device
     caches = []
     for layer in model.layers:  # this pipeline stage's layers, this rank's KV heads
         shape = (num_blocks, block_size, layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
-        caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+        caches.append((zeroed_kv_tensor(shape, dtype, device), zeroed_kv_tensor(shape, dtype, device)))
     return caches
+
+
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU it sits on an anonymous mapping of its own: the kernel hands
+    out zero pages and commits each only when it is first written, so a 2 GiB pool costs
+    resident memory for the blocks in use, not for all of it. torch.zeros would write (and
+    commit) every page up front; torch.empty is lazy only when malloc happens to mmap the
+    request, and may otherwise return recycled heap holding NaNs, which the torch reference's
+    padded decode would multiply by probability 0 into NaN. A GPU commits memory on
+    allocation either way, so there it is plain torch.zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    # The tensor holds a reference to the mapping, which is unmapped with the last tensor.
+    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
 
 
 def pack_hidden(x: torch.Tensor, residual: torch.Tensor) -> HiddenStates:
@@ -110,8 +129,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer = proposer  # speculative decoding, on the driver only
+        self._forwarded = 0.0
 
     def execute(self, so: SchedulerOutput, previous: HiddenStates | None = None) -> ModelRunnerOutput | HiddenStates:
+        started = time.monotonic()
         self._update_states(so)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput.empty()
@@ -122,6 +143,8 @@ class ModelRunner:
             result.draft_token_ids = self.proposer.propose(self._proposal_inputs(batch, result, so.num_spec_tokens))
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
+        if isinstance(result, ModelRunnerOutput):
+            result.timing = [started, self._forwarded, time.monotonic()]
         return result
 
     def _forward(self, batch: Batch, previous: HiddenStates | None) -> ModelRunnerOutput | HiddenStates:
@@ -136,6 +159,7 @@ class ModelRunner:
         if not model.is_last_stage:
             return pack_hidden(x, residual)
         hidden = model.final_norm(x, residual)
+        self._forwarded = time.monotonic()  # the timeline's forward / sample boundary
         out = self._sample(hidden, batch)
         out.prompt_logprobs = self._prompt_logprobs(hidden, batch, out.failed)
         return out

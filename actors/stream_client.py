@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Iterable
 
 from cadenza.actors.output_processor import SequenceState
 from cadenza.actors.pacing import Pacer, QueueItem
 from cadenza.actors.prompts import PendingRequest, fan_out, require_tokenizer, tokenize
+from cadenza.actors.timeline import TimelineRecorder
 from cadenza.config import EngineConfig
 from cadenza.engine_client import Prompt
 from cadenza.errors import EngineDeadError, RequestFailedError
@@ -42,6 +44,8 @@ class StreamingClient:
         self._pump: asyncio.Task[None] | None = None
         self._dead: str | None = None
         self._ids = itertools.count()
+        # Set by benchmarks and tests to keep each step's timeline (cadenza.actors.timeline).
+        self.recorder: TimelineRecorder | None = None
 
     @property
     def speculative(self) -> bool:
@@ -87,6 +91,8 @@ class StreamingClient:
                     await pacer.wait_until(due)
                     delta = self._apply(out, pending)
                     if delta is not None:
+                        if self.recorder is not None:
+                            self.recorder.on_delivery(out.request_id, out.step, time.monotonic())
                         yield delta
         finally:
             self._families.pop(rid, None)

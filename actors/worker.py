@@ -105,6 +105,10 @@ class Worker:
             return None  # only the driver's output is read
         return result
 
+    def weight_bytes(self) -> int:
+        """Bytes of this shard's weights as stored (what a decode step streams)."""
+        return self.runner.model.weight_bytes() if self.runner is not None else 0
+
     def ping(self) -> bool:
         return True
 

@@ -3,6 +3,10 @@
 The machine is measured in the same run (fp32 GEMM FLOP/s, memory read GB/s), so every
 figure can be read as a ratio: decode speed against the bandwidth bound, Cadenza against
 HF transformers on the same requests.
+
+`memory` is this process's resident memory beside the weights: the peak (VmHWM) over the
+model's load and the throughput run, counted from just before the load (the bandwidth
+probe's 1 GiB buffer is not the engine's), and the RSS once loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 
 import torch
 
+from cadenza.benchmarks.context_sweep import DEFAULT_CONTEXTS, context_sweep
+from cadenza.benchmarks.memory import MB, own_peak_rss_bytes, own_rss_bytes, reset_own_peak_rss
 from cadenza.benchmarks.report import report
 from cadenza.engine_args import engine_kwargs
 from cadenza.models.loader import resolve_model_path
@@ -34,7 +40,25 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-stream-rounds", type=_at_least_one, default=3, help=rounds_help)
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument(
+        "--contexts",
+        type=_contexts,
+        default=DEFAULT_CONTEXTS,
+        help="context sweep: TTFT and decode tok/s at these context lengths (comma-separated; 'none' to skip)",
+    )
     p.add_argument("--output", default=None, help="also write the JSON here")
+
+
+def _contexts(text: str) -> tuple[int, ...]:
+    if text == "none":
+        return ()
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"context lengths are whole numbers, comma-separated: {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"context lengths must be >= 0, got {text!r}")
+    return values
 
 
 def _at_least_one(text: str) -> int:
@@ -130,6 +154,18 @@ def single_stream_rounds(decode_tok_s: Callable[[], float], weight_bytes: int, r
     }
 
 
+def memory_summary(peak_bytes: int, loaded_bytes: int, weight_bytes: int, peak_reset: bool) -> dict[str, Any]:
+    """The engine's resident memory against its weights (megabytes of 10^6 bytes)."""
+    return {
+        "peak_rss_mb": peak_bytes / MB,
+        "rss_after_load_mb": loaded_bytes / MB,
+        "weight_mb": weight_bytes / MB,
+        "peak_over_weights": peak_bytes / weight_bytes,
+        # Where the kernel refuses to reset the peak, it counts from the process's start.
+        "peak_since": "model load" if peak_reset else "process start (bandwidth probe included)",
+    }
+
+
 def load_hf(model: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -166,13 +202,30 @@ def bench_hf(model: torch.nn.Module, workload: Workload, batch: int) -> dict:
 
 
 def hf_single_stream(model: torch.nn.Module, single: tuple[list[int], int]) -> float:
-    """Decode tokens/s of one prompt alone: a full run less a prefill-only run."""
-    t0 = time.perf_counter()
-    _hf_generate(model, [single[0]], 1)
-    prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _hf_generate(model, [single[0]], single[1])
-    return (single[1] - 1) / (time.perf_counter() - t0 - prefill)
+    """Decode tokens/s of one prompt alone, from the time each token is done (a stopping
+    criterion sees every step), first to last: the same span Cadenza's metrics measure.
+    (A full run less a prefill-only run could come out negative on a noisy machine.)"""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> bool:
+            stamps.append(time.perf_counter())
+            return False
+
+    ids = torch.tensor([single[0]])
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=single[1],
+            min_new_tokens=single[1],
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Stamp()]),
+        )
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -184,7 +237,9 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         "fp32_gemm_gflops": measure_gemm_gflops(),
         "mem_read_gbps": measure_read_gbps(),
     }
+    peak_reset = reset_own_peak_rss()
     llm = LLM(args.model, **engine_kwargs(args))
+    loaded_rss = own_rss_bytes()
     model = llm.engine.runner.model
     weight_bytes = model.weight_bytes()
     machine |= {"weight_bytes": weight_bytes, "decode_bound_tok_s": machine["mem_read_gbps"] * 1e9 / weight_bytes}
@@ -202,7 +257,11 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     rounds = args.single_stream_rounds
     result["cadenza"] = bench_cadenza(llm, workload)
+    result["memory"] = memory_summary(own_peak_rss_bytes(), loaded_rss, weight_bytes, peak_reset)
     result["cadenza"] |= single_stream_rounds(lambda: cadenza_single_stream(llm, single), weight_bytes, rounds)
+    if args.contexts:
+        cfg = llm.engine.model_config
+        result["context_sweep"] = context_sweep(llm, cfg, machine["fp32_gemm_gflops"], args.contexts, args.seed + 2)
     if args.baseline == "hf":
         del llm
         hf_model = load_hf(args.model)

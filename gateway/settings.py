@@ -105,7 +105,6 @@ class GatewaySettings:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
 
-
     @property
     def own_origins(self) -> tuple[str, ...]:
         hosts = {self.host, "localhost", "127.0.0.1"} if self.host in ("127.0.0.1", "localhost") else {self.host}

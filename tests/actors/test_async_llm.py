@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -139,7 +141,7 @@ def test_killed_worker_fails_in_flight_requests_then_recovers(ray_cluster, tiny_
 
 def test_dead_engine_is_a_clear_error_and_a_new_client_works(ray_cluster, tiny_model) -> None:
     path, _ = tiny_model("llama_gqa_tied")
-    llm = AsyncLLM(str(path), num_blocks=64)
+    llm = AsyncLLM(str(path), num_blocks=64, max_engine_restarts=0)
     params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
 
     async def run() -> None:
@@ -167,3 +169,38 @@ def test_dead_engine_is_a_clear_error_and_a_new_client_works(ray_cluster, tiny_m
         assert asyncio.run(one()) == 3
     finally:
         again.shutdown()
+
+
+def test_a_crashed_engine_is_replaced_and_serves_again(ray_cluster, tiny_model) -> None:
+    """Under the local executor a crash in the model (here SIGKILL) takes the engine actor:
+    the stream in flight fails with the reason, the next request runs on a new engine."""
+    path, _ = tiny_model("llama_gqa_tied")
+    llm = AsyncLLM(str(path), num_blocks=64, max_engine_restarts=1)
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run() -> None:
+        before = await llm.stats()
+        assert before.executor == "local" and before.num_workers == 0
+        stream = llm.generate({"prompt_token_ids": [4, 5]}, params)
+        await stream.__anext__()
+        os.kill(before.engine_pid, signal.SIGKILL)
+        with pytest.raises(RequestFailedError, match="restarted"):
+            async for _ in stream:
+                pass
+        for _ in range(600):  # the replacement loads the model; /health says 503 meanwhile
+            try:
+                await llm.check_health()
+                break
+            except EngineDeadError:
+                await asyncio.sleep(0.1)
+        tokens = []
+        async for delta in llm.generate({"prompt_token_ids": [4, 5]}, SamplingParams(temperature=0, max_tokens=5)):
+            tokens += delta.outputs[0].token_ids
+        assert len(tokens) == 5
+        after = await llm.stats()
+        assert after.num_engine_restarts == 1 and after.engine_pid != before.engine_pid
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()

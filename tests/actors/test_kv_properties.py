@@ -502,6 +502,7 @@ class PoolModel:
 
     def __init__(self, num_blocks: int) -> None:
         self.free = list(range(num_blocks))  # least- to most-recently freed
+        self.used: set[int] = set()  # handed out at least once
         self.ref = [0] * num_blocks
         self.hash_of: dict[int, bytes] = {}
         self.evictions = 0
@@ -512,11 +513,21 @@ class PoolModel:
         return [bid for bid, n in enumerate(self.ref) for _ in range(n)]
 
     def allocate(self, n: int) -> list[int]:
-        taken, self.free = self.free[:n], self.free[n:]
+        taken = [self._take() for _ in range(n)]
         for bid in taken:
             self.evictions += self.hash_of.pop(bid, None) is not None
             self.ref[bid] = 1
         return taken
+
+    def _take(self) -> int:
+        """A used hashless block (the most recently freed), else a never-used one (the lowest
+        id), else the least recently freed (cached) one."""
+        warm = [bid for bid in self.free if bid in self.used and bid not in self.hash_of]
+        fresh = [bid for bid in self.free if bid not in self.used]
+        bid = warm[-1] if warm else min(fresh) if fresh else self.free[0]
+        self.free.remove(bid)
+        self.used.add(bid)
+        return bid
 
     def touch(self, bids: list[int]) -> None:
         for bid in bids:
@@ -546,7 +557,7 @@ def run_pool_op(pool: BlockPool, model: PoolModel, op: tuple) -> None:
                 assert list(pool.free) == before, "a refused allocation changed the free queue"
                 return
             raise AssertionError("allocated more blocks than were free")
-        assert [b.block_id for b in pool.allocate(args[0])] == model.allocate(args[0]), "not LRU order"
+        assert [b.block_id for b in pool.allocate(args[0])] == model.allocate(args[0]), "not the allocation order"
     elif kind == "touch":
         # As the cache manager does: only blocks someone holds or the cache can find.
         candidates = sorted(set(model.held) | set(model.hash_of))

@@ -52,7 +52,7 @@ def test_sigkilled_worker_fails_running_keeps_waiting_and_serves_no_stale_prefix
     shared = PREFIX + [60, 61]
     expected_queued = _reference(path, queued, GREEDY)
     (expected_shared,) = _reference(path, [shared], GREEDY)
-    llm = AsyncLLM(path, num_blocks=256, max_num_seqs=2)
+    llm = AsyncLLM(path, num_blocks=256, max_num_seqs=2, executor="ray")  # a worker actor to kill
 
     async def run() -> None:
         await _collect(llm, PREFIX + [50], GREEDY)  # the prefix is now cached

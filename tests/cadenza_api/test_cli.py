@@ -49,6 +49,8 @@ def test_bench_offline_prints_json(tmp_path: Path) -> None:
         "2",
         "--baseline",
         "hf",
+        "--contexts",
+        "0,64",
         "--output",
         str(target),
     )
@@ -63,6 +65,11 @@ def test_bench_offline_prints_json(tmp_path: Path) -> None:
     for side in ("cadenza", "hf"):  # --single-stream-rounds 2: each paired with its own bound
         rounds = result[side]["single_stream_rounds"]
         assert len(rounds) == 2 and all(r["mem_read_gbps"] > 0 and r["decode_tok_s"] > 0 for r in rounds)
+    sweep = result["context_sweep"]
+    assert list(sweep) == ["0", "64"] and sweep["64"]["prompt_tokens"] == 64
+    for row in sweep.values():
+        assert row["ttft_s"] > 0 and row["decode_tok_s"] > 0 and row["flops_bound_s"] > 0
+        assert row["gemm_flops"] > 0 and row["attention_flops"] > 0 and row["ttft_over_bound"] > 0
         assert result[side]["single_stream_fraction_of_bound"] in [r["fraction"] for r in rounds]
 
 

@@ -48,3 +48,37 @@ def test_bench_serve_poisson_arrivals_from_a_prompt_file(tmp_path, capsys) -> No
     assert report["completed"] == 10 and report["request_rate"] == 50
     assert report["goodput"] == 0  # nobody meets a 1 microsecond TTFT
     assert report["output_token_throughput"] * report["elapsed_s"] == pytest.approx(sum(3 + i % 5 for i in range(10)))
+
+
+def test_bench_serve_compare_offline_runs_the_same_prompts_in_process(capsys) -> None:
+    """The served run and an in-process LLM on the same prompts, and the ratios between them."""
+    from cadenza.actors.inprocess_client import InProcessClient
+
+    port = free_port()
+    engine = InProcessClient(DEFAULT_MODEL, num_blocks=256)
+    app = build_app(engine, DEFAULT_MODEL, GatewaySettings(port=port))
+    args = ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "3", "--concurrency", "1"]
+    args += ["--input-words", "8:12", "--output-len", "6:6", "--compare-offline"]
+    try:
+        with serve_in_thread(app, port):
+            assert main(args) == 0
+    finally:
+        engine.shutdown()
+    report = json.loads(capsys.readouterr().out)
+    offline = report["in_process"]
+    assert report["completed"] == offline["completed"] == 3 and offline["model"] == DEFAULT_MODEL
+    assert offline["output_token_throughput"] * offline["elapsed_s"] == pytest.approx(3 * 6)
+    assert offline["ttft_ms"]["p50"] > 0 and offline["tpot_ms"]["p50"] > 0
+    assert set(report["overhead"]) == {
+        "ttft_ms_p50",
+        "ttft_ms_mean",
+        "tpot_ms_p50",
+        "tpot_ms_mean",
+        "output_throughput",
+    }
+    assert all(v > 0 for v in report["overhead"].values())
+
+
+def test_bench_serve_compare_offline_refuses_poisson_arrivals() -> None:
+    with pytest.raises(SystemExit, match="request-rate"):
+        main(["bench", "serve", "--request-rate", "5", "--compare-offline"])

@@ -214,7 +214,9 @@ def test_soak_with_cancels_disconnects_bad_inputs_and_a_killed_worker(ray_cluste
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outs = smollm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
     EXPECTED.update({q: o.outputs[0].text for q, o in zip(QUESTIONS, outs, strict=True)})
+    # Worker actors (not the default in-process runner), so there is a worker to kill and rebuild.
     args = ["--num-blocks", str(NUM_BLOCKS), "--max-num-batched-tokens", "512", "--api-key", API_KEY]
+    args += ["--executor", "ray"]
 
     async def soak(server) -> Tally:  # noqa: ANN001
         tally = Tally()

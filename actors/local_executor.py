@@ -1,0 +1,86 @@
+"""LocalExecutor: with TP = PP = 1 the engine actor runs the model runner in its own process.
+
+A step is then a function call on one dedicated thread, not an actor call: no msgpack of the
+SchedulerOutput, no Ray hop out to a worker and none back (measured at batch 1 on 2 cores:
+~5 ms of a ~15 ms step; `cadenza bench actors` shows the timeline). The step runs off the
+event loop, so while the model computes step N + 1 the loop hands step N's outputs to the
+client: the output path overlaps the next forward pass instead of preceding it.
+
+The one thread does every model call (load, steps), so torch and OpenMP always see the same
+caller. The price of sharing the engine's process: a crash inside the model (a segfault in a
+kernel) takes the engine actor with it, which AsyncLLM reports as a dead engine; with
+`executor="ray"` the worker is a separate actor the engine rebuilds instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from cadenza.actors.executor import WorkerFailure, classify_step_error
+from cadenza.actors.worker import Worker
+from cadenza.config import EngineConfig
+from cadenza.messages import ModelRunnerOutput, SchedulerOutput, WorkerSpec
+
+T = TypeVar("T")
+
+
+class LocalExecutor:
+    kind = "local"
+    graph = None  # no Ray Compiled Graph: there is nothing to send
+    workers: list = []  # no worker actors
+
+    def __init__(self, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...]) -> None:
+        if config.world_size != 1:
+            raise ValueError("the local executor runs one worker: tensor_parallel_size = pipeline_parallel_size = 1")
+        self.config = config
+        self.spec = WorkerSpec(
+            config=config,
+            num_blocks=num_blocks,
+            eos_token_ids=list(eos_token_ids),
+            tp_rank=0,
+            pp_rank=0,
+            num_threads=local_threads(config),
+        )
+        self.worker: Worker | None = None
+        self.pids: list[int] = []
+        self.weight_bytes = 0
+        self._thread: ThreadPoolExecutor | None = None
+
+    async def start(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-step")
+        self.worker = await self._call(Worker, self.spec)
+        await self._call(self.worker.load, None)
+        self.pids = [os.getpid()]
+        self.weight_bytes = self.worker.weight_bytes()
+
+    async def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            result = await self._call(self.worker.execute, so)
+        except Exception as e:
+            raise classify_step_error(e, tensor_parallel=False) from e
+        if not isinstance(result, ModelRunnerOutput):  # the one worker is the last stage's driver
+            raise WorkerFailure(f"the local worker answered {type(result).__name__}, not a ModelRunnerOutput")
+        return result
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def shutdown(self) -> None:
+        self.worker = None  # the weights and KV go with the last reference
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
+        self.pids = []
+
+    async def restart(self) -> None:
+        self.shutdown()
+        await self.start()
+
+
+def local_threads(config: EngineConfig) -> int:
+    """Torch threads for the in-process runner: the worker's CPUs when set, else every core."""
+    return max(int(config.num_cpus_per_worker or os.cpu_count() or 1), 1)

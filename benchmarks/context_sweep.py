@@ -1,0 +1,75 @@
+"""The context sweep of `cadenza bench offline`: TTFT and decode speed with 0, 2k and 6k
+tokens of context, each beside its bound at the machine's rates measured in the same run.
+
+TTFT's bound is the prompt's FLOPs at the measured fp32 GEMM rate: the projections' 2 * params
+per token (the LM head once, for the token sampled) plus causal attention's 4 * D per
+(query, key) pair and head (QK^T and PV). Decode keeps the rate at the start as its baseline:
+a step reads the weights and the context's KV once, so the rate falls with context only as
+far as the KV bytes add to the weight bytes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from cadenza.models.config import ModelConfig
+from cadenza.sampling_params import SamplingParams
+
+DEFAULT_CONTEXTS = (0, 2048, 6144)
+DECODE_TOKENS = 32  # per context: enough steps for a stable rate, few enough to stay at that context
+
+
+def projection_params(cfg: ModelConfig) -> int:
+    """Weights every prompt token multiplies (all layers' projections; not the LM head)."""
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
+    """GEMM and attention FLOPs of prefilling `tokens` tokens from an empty cache."""
+    gemm = 2.0 * tokens * projection_params(cfg) + 2.0 * cfg.vocab_size * cfg.hidden_size
+    pairs = tokens * (tokens + 1) / 2  # causal: query i sees keys 0..i
+    attention = 4.0 * pairs * cfg.head_dim * cfg.num_heads * cfg.num_layers
+    return {"gemm_flops": gemm, "attention_flops": attention}
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def _one(llm: Any, prompt: list[int]) -> tuple[float, float]:
+    """(TTFT s, decode tok/s) of one request alone, from its metrics."""
+    params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    start = time.time()
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    m = out.metrics[0]
+    decode = (DECODE_TOKENS - 1) / (m.last_token_time - m.first_token_time)
+    return m.first_token_time - start, decode
+
+
+def context_sweep(llm: Any, cfg: ModelConfig, gemm_gflops: float, contexts: tuple[int, ...], seed: int) -> dict:
+    """TTFT and decode tok/s per context length, with the ratios the issue's targets read."""
+    rng = random.Random(seed)
+    _one(llm, [rng.randrange(100, cfg.vocab_size) for _ in range(16)])  # warm-up
+    rows: dict[str, Any] = {}
+    for n in contexts:
+        prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(max(n, 16))]
+        ttft, decode = _one(llm, prompt)
+        flops = prefill_flops(cfg, len(prompt))
+        bound_s = (flops["gemm_flops"] + flops["attention_flops"]) / (gemm_gflops * 1e9)
+        rows[str(n)] = {
+            "prompt_tokens": len(prompt),
+            "ttft_s": ttft,
+            **flops,
+            "flops_bound_s": bound_s,
+            "gemm_only_bound_s": flops["gemm_flops"] / (gemm_gflops * 1e9),
+            "ttft_over_bound": ttft / bound_s,
+            "decode_tok_s": decode,
+        }
+    start = rows[str(contexts[0])]["decode_tok_s"]
+    for row in rows.values():
+        row["decode_vs_start"] = row["decode_tok_s"] / start
+    return rows
