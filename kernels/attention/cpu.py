@@ -1,15 +1,23 @@
-"""Paged decode attention in C (csrc/decode_attention.c) for the `cpu` backend: one-query rows
-reading K/V in place through the block tables, rather than gathering a padded copy."""
+"""Paged attention in C for the `cpu` backend, reading K/V in place through the block tables
+rather than gathering a copy: the one-query rows (csrc/decode_attention.c, split over the
+threads by context length) and the long extends/prefills (csrc/prefill_attention.c, tiled
+flash-style). Both are in the decode_attention library."""
 
 from __future__ import annotations
 
 import torch
 
-from cadenza.kernels.cpu.bindings import PAGED_DECODE_ATTENTION
+from cadenza.kernels.attention.metadata import AttentionMetadata
+from cadenza.kernels.cpu.bindings import PAGED_DECODE_ATTENTION, PAGED_PREFILL_ATTENTION
 
 
 def decode_attention_available() -> bool:
     return PAGED_DECODE_ATTENTION.available()
+
+
+def _check_native(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu":
+        raise ValueError(f"the CPU kernel takes fp32 CPU tensors, not {q.dtype} on {q.device}")
 
 
 def paged_decode_attention_cpu(
@@ -21,8 +29,7 @@ def paged_decode_attention_cpu(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention_ref: q [B, H, D] -> [B, H, D]."""
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu":
-        raise ValueError(f"the CPU kernel takes fp32 CPU tensors, not {q.dtype} on {q.device}")
+    _check_native(q, k_cache)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     tables, lens = block_tables.contiguous().to(torch.int64), seq_lens.contiguous().to(torch.int64)
     batch, num_heads, head_dim = q.shape
@@ -33,5 +40,38 @@ def paged_decode_attention_cpu(
         block_size=k_cache.shape[1], scale=scale, num_threads=torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError("the CPU decode attention kernel could not allocate its scratch scores")
+        raise MemoryError("the CPU decode attention kernel could not allocate its scratch")
     return out
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    requests: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Same contract as reference.paged_prefill_attention_ref: the listed requests' query
+    tokens (rows of q [T, H, D]) into the same rows of out."""
+    _check_native(q, k_cache)
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    qsl = meta.query_start_loc
+    starts = torch.tensor([qsl[i] for i in requests], dtype=torch.int64)
+    query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in requests], dtype=torch.int64)
+    seq_lens = torch.tensor([meta.seq_lens[i] for i in requests], dtype=torch.int64)
+    tables = meta.block_tables[torch.tensor(requests, dtype=torch.int64)].contiguous().to(torch.int64)
+    # The kernel writes only these requests' rows: into out itself when it can address it.
+    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+    status = PAGED_PREFILL_ATTENTION(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, table_stride=tables.shape[1],
+        query_start=starts, query_lens=query_lens, seq_lens=seq_lens, out=target, num_reqs=len(requests),
+        num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2], block_size=k_cache.shape[1],
+        scale=scale, num_threads=torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
+    if target is not out:
+        for i in requests:
+            out[qsl[i] : qsl[i + 1]] = target[qsl[i] : qsl[i + 1]]

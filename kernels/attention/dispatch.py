@@ -1,15 +1,16 @@
 """paged_attention: one varlen batch's attention over the paged KV cache, on the backend in force.
 
 `triton` runs the split-KV decode kernel and the varlen extend kernel (triton_paged.py);
-`cpu` runs the torch reference's plan with its one-query rows in C (cpu.py), reading K/V in
-place rather than gathering a padded copy; `torch` is the reference throughout.
+`cpu` runs the torch reference's plan with its one-query rows and its long extends/prefills
+in C (cpu.py), reading K/V in place rather than gathering a copy; `torch` is the reference
+throughout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cadenza.kernels.attention.cpu import paged_decode_attention_cpu
+from cadenza.kernels.attention.cpu import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.attention.reference import paged_attention_ref
 from cadenza.kernels.attention.triton_paged import paged_attention_triton
@@ -23,5 +24,7 @@ def paged_attention(
     if backend() == "triton":
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     if runs_native(q):
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, decode=paged_decode_attention_cpu)
+        return paged_attention_ref(
+            q, k_cache, v_cache, meta, scale, decode=paged_decode_attention_cpu, long=paged_prefill_attention_cpu
+        )
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -69,6 +69,27 @@ SHORT_EXTEND_TOKENS = 16
 
 
 DecodeOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (q, k_cache, v_cache, meta, requests, scale, out): writes the rows of out for these requests.
+LongOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[int], float, torch.Tensor], None]
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    requests: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Each listed request's query tokens as its own causal attention over its context,
+    into the same rows of out: the context gathered out of the cache, then SDPA."""
+    qsl = meta.query_start_loc
+    for i in requests:
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+        out[start:end] = prefill_attention_ref(q[start:end], k, v, scale)
 
 
 def paged_attention_ref(
@@ -78,11 +99,12 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeOp = paged_decode_attention_ref,
+    long: LongOp = paged_prefill_attention_ref,
 ) -> torch.Tensor:
     """Attention for every token of a varlen batch. q [T, H, D] -> [T, H, D].
 
-    `decode` runs the one-query rows (decodes and short extends); the C kernel of
-    attention/cpu.py has the same contract."""
+    `decode` runs the one-query rows (decodes and short extends), `long` the longer extends
+    and prefills; the C kernels of attention/cpu.py have the same contracts."""
     plan = meta.decode_plan if meta.decode_plan is not None else _plan_decode_rows(meta, q.device)
     meta.decode_plan = plan  # every layer of the step shares it
     if plan.index is None:  # every token is a decode row, in order
@@ -90,12 +112,8 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     if len(plan.index):
         out[plan.index] = decode(q[plan.index], k_cache, v_cache, plan.block_tables, plan.seq_lens, scale)
-    qsl = meta.query_start_loc
-    for i in plan.long:
-        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
-        out[start:end] = prefill_attention_ref(q[start:end], k, v, scale)
+    if plan.long:
+        long(q, k_cache, v_cache, meta, plan.long, scale, out)
     return out
 
 

@@ -74,6 +74,18 @@ PAGED_DECODE_ATTENTION = CFunction(
     ),
     ctypes.c_int,
 )  # fmt: skip
+# In the decode_attention library: decode_attention.c includes prefill_attention.c.
+PAGED_PREFILL_ATTENTION = CFunction(
+    "decode_attention",
+    "paged_prefill_attention",
+    (
+        ("q", POINTER), ("k_cache", POINTER), ("v_cache", POINTER), ("block_tables", POINTER),
+        ("table_stride", I64), ("query_start", POINTER), ("query_lens", POINTER), ("seq_lens", POINTER),
+        ("out", POINTER), ("num_reqs", I32), ("num_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
+        ("block_size", I32), ("scale", F32), ("num_threads", I32),
+    ),
+    ctypes.c_int,
+)  # fmt: skip
 ADD_RMS_NORM = CFunction(
     "elementwise",
     "add_rms_norm",
@@ -147,8 +159,8 @@ DECODE_LAYERS = CFunction(
     ctypes.c_int,
 )  # fmt: skip
 FUNCTIONS = (
-    PAGED_DECODE_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR, ROUND_ACTIVATIONS,
-    PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
+    PAGED_DECODE_ATTENTION, PAGED_PREFILL_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR,
+    ROUND_ACTIVATIONS, PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
 )  # fmt: skip
 
 

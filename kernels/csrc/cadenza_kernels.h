@@ -10,13 +10,24 @@
 
 #include <stdint.h>
 
-/* decode_attention.c: one query row per entry, K/V read in place through the block tables.
- * Returns 0, or -1 when a scratch allocation failed. */
+/* decode_attention.c: one query row per entry, K/V read in place through the block tables,
+ * each row's context split over the threads (flash-decoding). Returns 0, or -1 when a
+ * scratch allocation failed. */
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *block_tables, int64_t table_stride,
                            const int64_t *seq_lens, float *out, int num_rows, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, float scale,
                            int num_threads);
+
+/* prefill_attention.c (built into the decode_attention library): the query tokens of
+ * num_reqs requests, request r's query_lens[r] tokens starting at row query_start[r] of q and
+ * out [tokens, H, D], causal over its seq_lens[r] keys, tiled flash-style over the paged cache.
+ * Only those rows of out are written. Returns 0, or -1 when a scratch allocation failed. */
+int paged_prefill_attention(const float *q, const float *k_cache, const float *v_cache,
+                            const int64_t *block_tables, int64_t table_stride, const int64_t *query_start,
+                            const int64_t *query_lens, const int64_t *seq_lens, float *out, int num_reqs,
+                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                            int num_threads);
 
 /* elementwise.c: the per-token ops between the GEMMs. */
 void add_rms_norm(const float *x, const float *res, const float *w, float *out, float *res_out,
