@@ -22,6 +22,7 @@ from cadenza.actors import codec
 from cadenza.actors.engine_core import EngineCore
 from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
 from cadenza.actors.local_executor import LocalExecutor
+from cadenza.actors.local_ray import unnice_worker
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, ModelRunnerOutput, OutputBatch, SchedulerOutput, StepTiming
 from cadenza.models.loader import load_tokenizer, max_model_len, read_model
@@ -37,6 +38,7 @@ MAX_PENDING_TIMINGS = 256
 class EngineActor:
     def __init__(self, config: EngineConfig) -> None:
         codec.register()  # before anything is sent: the workers' specs, every step
+        unnice_worker()
         path, model_config = read_model(config.model)
         tokenizer = load_tokenizer(path, model_config)
         eos = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids

@@ -8,6 +8,7 @@ private local instance that listens on loopback only.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,11 @@ MIN_OBJECT_STORE_BYTES = 75 << 20  # ray_constants.OBJECT_STORE_MINIMUM_MEMORY_B
 # per logical CPU when the first driver connects, for tasks Cadenza never runs; each holds
 # ~80 MB (measured with benchmarks/memory.py, Ray 2.60: 2 CPUs, 665 -> 582 MB of Ray's own
 # processes), so a 16-CPU instance would hold ~1.3 GB of them. Actors start their own worker.
-LOCAL_RAY_SYSTEM_CONFIG: dict[str, Any] = {"prestart_worker_first_driver": False}
+# And Ray runs every worker process at nice 15 (worker_niceness), below its own daemons and the
+# gateway: on a small host each wake-up of those preempts a model thread, and the step's other
+# threads wait for it at the next barrier. The engine and its workers run at the priority of
+# the process that serves them instead (see unnice_worker for clusters we join).
+LOCAL_RAY_SYSTEM_CONFIG: dict[str, Any] = {"prestart_worker_first_driver": False, "worker_niceness": 0}
 
 
 def local_object_store_bytes() -> int:
@@ -141,3 +146,20 @@ def ensure_ray(min_cpus: int) -> None:
         if os.environ.get("RAY_ADDRESS"):  # a cluster was asked for: not a private one instead
             raise
         init_local_ray(max(os.cpu_count() or 1, min_cpus), logging_level="warning")
+
+
+def unnice_worker() -> None:
+    """Undo Ray's nice 15 in this actor process (the engine or a worker), so model threads are
+    not preempted by every nice-0 process on the node. A joined cluster's workers start niced
+    and lowering niceness needs the privilege to: without it, say so and go on."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        logging.getLogger(__name__).warning(
+            "this actor runs at nice %d (Ray's worker_niceness) and may not lower it: the model "
+            "yields to every other process on the node; start Ray with RAY_worker_niceness=0",
+            current,
+        )

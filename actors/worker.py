@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cadenza.actors import codec
+from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.proposers import build_proposer
 from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, WorkerSpec
@@ -49,6 +50,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         codec.register()
         self.spec = spec
+        unnice_worker()
         torch.set_num_threads(self.spec.num_threads)
         self.runner: ModelRunner | None = None
 
@@ -77,7 +79,15 @@ class Worker:
         # The driver samples, so it verifies drafts and proposes the next ones (a draft model
         # runs whole beside the target's last stage, sharing its block tables).
         proposer = build_proposer(cfg, loaded.config, loaded.max_model_len, spec.num_blocks) if is_driver else None
-        self.runner = ModelRunner(model, spec.num_blocks, cfg.block_size, eos, is_driver=is_driver, proposer=proposer)
+        self.runner = ModelRunner(
+            model,
+            spec.num_blocks,
+            cfg.block_size,
+            eos,
+            is_driver=is_driver,
+            proposer=proposer,
+            kv_cache_dtype=cfg.kv_dtype,
+        )
         return os.getpid()
 
     def _join_group(self, dist_url: str) -> TPGroup:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 
 import pytest
 
@@ -54,7 +55,10 @@ def test_timeline_of_a_stream_adds_up(ray_cluster, tiny_model, executor: str) ->
         async for delta in llm.generate({"prompt_token_ids": PROMPT}, GREEDY):
             tokens += delta.outputs[0].token_ids
             rid = delta.request_id
-        return tokens, rid, (await llm.stats()).executor
+        stats = await llm.stats()
+        # The model's processes run at the serving process's priority, not Ray's nice 15.
+        assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in [stats.engine_pid, *stats.worker_pids])
+        return tokens, rid, stats.executor
 
     try:
         tokens, rid, used = asyncio.run(run())
