@@ -56,23 +56,21 @@ class AsyncLLM(StreamingClient):
             raise RuntimeError(f"the engine failed to start: {e}") from e
         self.request_limits = self.config.request_limits(self.model_config.vocab_size, self.max_model_len)
         self._engine_restarts = 0
+        self._restarting = False  # a replacement engine is starting
 
     async def stats(self) -> ServingStats:
         self._check_alive()
-        try:
-            stats = await self.engine.stats.remote()
-        except ray.exceptions.RayActorError as e:
-            raise self._actor_died(e) from e
+        stats = await self._call("stats")
         stats.num_engine_restarts = self._engine_restarts
         return stats
 
     async def check_health(self) -> None:
-        """Raises when the engine cannot serve."""
+        """Raises when the engine cannot serve. A replacement that is starting counts as healthy:
+        a health check (Serve's) must not replace the replica while it recovers by itself."""
         self._check_alive()
-        try:
-            problem = await self.engine.health.remote()
-        except ray.exceptions.RayActorError as e:
-            raise self._actor_died(e) from e
+        if self._restarting:
+            return
+        problem = await self._call("health")
         if problem:
             raise EngineDeadError(problem)
 
@@ -89,9 +87,7 @@ class AsyncLLM(StreamingClient):
     async def _submit(self, requests: list[EngineRequest]) -> None:
         for req in requests:
             try:
-                error = await self.engine.add_request.remote(req)
-            except ray.exceptions.RayActorError as e:
-                raise self._actor_died(e) from e
+                error = await self._call("add_request", req)
             except ray.exceptions.RayTaskError as e:
                 if (unreadable := codec.unreadable(e)) is None:
                     raise
@@ -105,12 +101,25 @@ class AsyncLLM(StreamingClient):
     async def _abort(self, request_ids: list[str]) -> None:
         await self.engine.abort.remote(request_ids)
 
-    def _actor_died(self, error: BaseException) -> EngineDeadError:
-        """The engine actor is gone. While it may still be replaced, this call fails alone (the
-        pump, parked on the engine, sees the death too and replaces it); after that, for good."""
-        if not self._dead and self._engine_restarts < self.config.max_engine_restarts:
+    async def _call(self, method: str, *args: object) -> Any:
+        """One call to the engine actor; its death is told apart from a failure of the call."""
+        engine = self.engine
+        try:
+            return await getattr(engine, method).remote(*args)
+        except ray.exceptions.RayActorError as e:
+            raise self._actor_died(e, engine) from e
+
+    def _actor_died(self, error: BaseException, engine: ray.actor.ActorHandle) -> EngineDeadError:
+        """`engine` is gone. While it may still be replaced (or already was: the pump, parked
+        on it, sees the death too and replaces it), this call fails alone; after that, for good."""
+        retry = f"the engine actor died ({type(error).__name__}); it is being restarted, retry the request"
+        if self._dead:
+            return EngineDeadError(self._dead)
+        if engine is not self.engine or self._restarting:
+            return EngineDeadError(retry)
+        if self._engine_restarts < self.config.max_engine_restarts:
             self._ensure_pump()
-            return EngineDeadError(f"the engine actor died ({type(error).__name__}); it is being restarted")
+            return EngineDeadError(retry)
         return self._mark_dead(f"the engine actor died: {type(error).__name__}")
 
     async def _replace_engine(self, error: BaseException) -> bool:
@@ -126,12 +135,14 @@ class AsyncLLM(StreamingClient):
         for queue in set(self._queues.values()):
             queue.put_nowait(failed)
         ray.kill(self.engine)  # whatever is left of it
-        self.engine = _new_engine(self.config)
+        self.engine, self._restarting = _new_engine(self.config), True
         try:
             await self.engine.start.remote()
         except ray.exceptions.RayError as e:
             log.error("the replacement engine failed to start: %s", e)
             return False
+        finally:
+            self._restarting = False
         return True
 
     async def _pull_outputs(self) -> None:
@@ -160,7 +171,5 @@ def engine_resources(config: EngineConfig) -> dict[str, float]:
     (CPUs, and the GPU on CUDA) when the model runs in its process (executor "local")."""
     if config.executor_kind != "local":
         return {"num_cpus": 0}
-    gpus = config.num_gpus_per_worker
-    if gpus is None:
-        gpus = 1.0 if config.device.startswith("cuda") else 0.0
-    return {"num_cpus": config.num_cpus_per_worker or 1.0, "num_gpus": gpus}
+    cpus, gpus, _ = config.worker_resources()
+    return {"num_cpus": cpus, "num_gpus": gpus}

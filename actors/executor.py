@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -70,19 +69,9 @@ class RayExecutor:
         self.pg: PlacementGroup | None = None
         self.death_watch: list[asyncio.Future] = []
 
-    def _resources(self) -> tuple[float, float, int]:
-        """(Ray CPUs, Ray GPUs, torch threads) per worker."""
-        cfg = self.config
-        gpus = cfg.num_gpus_per_worker
-        if gpus is None:
-            gpus = 1.0 if cfg.device.startswith("cuda") else 0.0
-        cpus = cfg.num_cpus_per_worker or 1.0
-        threads = int(cfg.num_cpus_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size))
-        return cpus, gpus, max(threads, 1)
-
     async def start(self) -> None:
         cfg = self.config
-        cpus, gpus, threads = self._resources()
+        cpus, gpus, threads = cfg.worker_resources()
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         self.pg = placement_group([bundle] * cfg.world_size, strategy="PACK")
         try:

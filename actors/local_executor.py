@@ -43,7 +43,7 @@ class LocalExecutor:
             eos_token_ids=list(eos_token_ids),
             tp_rank=0,
             pp_rank=0,
-            num_threads=local_threads(config),
+            num_threads=config.worker_resources()[2],
         )
         self.worker: Worker | None = None
         self.pids: list[int] = []
@@ -79,8 +79,3 @@ class LocalExecutor:
     async def restart(self) -> None:
         self.shutdown()
         await self.start()
-
-
-def local_threads(config: EngineConfig) -> int:
-    """Torch threads for the in-process runner: the worker's CPUs when set, else every core."""
-    return max(int(config.num_cpus_per_worker or os.cpu_count() or 1), 1)

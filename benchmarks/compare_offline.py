@@ -13,10 +13,10 @@ other's caches: prefix caching makes no difference on the seeded synthetic promp
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
+from cadenza.benchmarks.serve import percentiles_ms
 from cadenza.sampling_params import SamplingParams
 
 COMPARED = ("ttft_ms", "tpot_ms")
@@ -53,19 +53,8 @@ def run_in_process(model: str, prompts: list[str], max_tokens: list[int], concur
         "elapsed_s": elapsed,
         "request_throughput": len(requests) / elapsed,
         "output_token_throughput": tokens / elapsed,
-        "ttft_ms": _percentiles_ms(ttfts),
-        "tpot_ms": _percentiles_ms(tpots),
-    }
-
-
-def _percentiles_ms(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "mean": None}
-    ordered = sorted(values)
-    return {
-        "p50": 1e3 * ordered[len(ordered) // 2],
-        "p90": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-        "mean": 1e3 * statistics.mean(values),
+        "ttft_ms": percentiles_ms(ttfts),
+        "tpot_ms": percentiles_ms(tpots),
     }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from cadenza.benchmarks.context_sweep import projection_params
 from cadenza.benchmarks.offline import (
     cadenza_single_stream,
     make_workload,
@@ -131,11 +132,10 @@ def measure_machine() -> dict[str, Any]:
 def count_weights(cfg: ModelConfig) -> int:
     """Distinct weights (a tied lm_head counted once), as model.weight_bytes() counts bytes,
     from the config alone: a quantized model no longer holds its dense tensors to count."""
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h  # projections and two norms
-    layer += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    layer = 2 * h + (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias  # two norms and the biases
     lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return cfg.vocab_size * h + cfg.num_layers * layer + h + lm_head
+    return cfg.vocab_size * h + projection_params(cfg) + cfg.num_layers * layer + h + lm_head
 
 
 def gguf_stored_type(model: str) -> str | None:

@@ -189,9 +189,11 @@ def _one(pid: int | None, unreadable: dict[str, str]) -> ProcessMemory | None:
     return found[0] if found else None
 
 
-def ray_own_memory(serving_pids: set[int], unreadable: dict[str, str]) -> RayOwnMemory:
-    session = ray_session_of(sorted(serving_pids))
-    procs = _read_all(ray_own_pids(session, serving_pids), unreadable) if session else []
+def ray_own_memory(serving_pids: list[int], unreadable: dict[str, str]) -> RayOwnMemory:
+    """Ray's own processes of the session the first of `serving_pids` (engine first) is in:
+    the gateway may also drive another session (a test suite's shared Ray instance)."""
+    session = ray_session_of(serving_pids)
+    procs = _read_all(ray_own_pids(session, set(serving_pids)), unreadable) if session else []
     return RayOwnMemory(session, sum(p.peak_mb for p in procs), sum(p.rss_mb for p in procs), procs)
 
 
@@ -203,7 +205,7 @@ def serving_memory_report(
     engine, gateway = _one(engine_pid, unreadable), _one(gateway_pid, unreadable)
     workers = _read_all(dict.fromkeys(worker_pids), unreadable)
     tree = {p.pid: p for p in [engine, gateway, *workers] if p is not None}  # a pid counted once
-    serving_pids = {pid for pid in (engine_pid, gateway_pid, *worker_pids) if pid}
+    serving_pids = [pid for pid in dict.fromkeys((engine_pid, *worker_pids, gateway_pid)) if pid]
     return MemoryReport(
         engine=engine,
         workers=workers,

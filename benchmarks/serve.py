@@ -246,7 +246,8 @@ def _auth(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-def _percentiles(values: list[float]) -> dict[str, float | None]:
+def percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    """p50 / p90 / p99 / mean of seconds, in milliseconds (also compare_offline's)."""
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
     ordered = sorted(values)
@@ -281,10 +282,10 @@ def summarize(args: argparse.Namespace, results: list[Result], elapsed: float) -
         "output_token_throughput": output_tokens / elapsed,
         "goodput": sum(1 for r in done if meets(r)) / elapsed,
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-        "ttft_ms": _percentiles([r.ttft for r in done if r.ttft is not None]),
-        "itl_ms": _percentiles([g for r in done for g in r.gaps]),
-        "tpot_ms": _percentiles([r.tpot for r in done if r.tpot is not None]),
-        "e2e_ms": _percentiles([r.latency for r in done]),
+        "ttft_ms": percentiles_ms([r.ttft for r in done if r.ttft is not None]),
+        "itl_ms": percentiles_ms([g for r in done for g in r.gaps]),
+        "tpot_ms": percentiles_ms([r.tpot for r in done if r.tpot is not None]),
+        "e2e_ms": percentiles_ms([r.latency for r in done]),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,6 +196,16 @@ class EngineConfig:
             self.max_stop_string_chars,
             self.max_stop_token_ids,
         )
+
+    def worker_resources(self) -> tuple[float, float, int]:
+        """(Ray CPUs, Ray GPUs, torch threads) of one worker, wherever it runs (a worker actor,
+        or the engine actor under the local executor): num_cpus_per_worker (default 1 CPU, and
+        the machine's cores shared evenly as threads) and num_gpus_per_worker (default 1 on CUDA)."""
+        gpus = self.num_gpus_per_worker
+        if gpus is None:
+            gpus = 1.0 if self.device.startswith("cuda") else 0.0
+        threads = int(self.num_cpus_per_worker or (os.cpu_count() or 1) // self.world_size)
+        return self.num_cpus_per_worker or 1.0, gpus, max(threads, 1)
 
     @property
     def executor_kind(self) -> str:

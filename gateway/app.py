@@ -21,6 +21,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from cadenza.engine_client import EngineClient
+from cadenza.errors import EngineDeadError
 from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
@@ -59,7 +60,10 @@ def build_app(
         return JSONResponse({"status": "ok"})
 
     async def stats(request: Request) -> Response:
-        engine_stats = msgspec.to_builtins(await engine.stats())
+        try:
+            engine_stats = msgspec.to_builtins(await engine.stats())
+        except EngineDeadError as e:  # dead, or being restarted: the client may retry
+            return JSONResponse({"error": {"message": str(e), "type": "engine_unavailable"}}, status_code=503)
         # The pid answering (a Serve replica's own): with the engine's and the workers' pids,
         # what `cadenza bench serve` reads the serving tree's memory of.
         gateway = {

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cadenza.engine_client import EngineClient
+from cadenza.errors import EngineDeadError
 from cadenza.stats import ServingStats, SpecDecodeStats
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -41,7 +42,12 @@ class Metrics:
         return RequestMetricsRecorder(self)
 
     async def render(self, engine: EngineClient) -> bytes:
-        self.engine_stats = await engine.stats()
+        """The gateway's own metrics always; the engine's only while it answers (a scrape
+        while it is dead or restarting leaves its gauges out rather than failing)."""
+        try:
+            self.engine_stats = await engine.stats()
+        except EngineDeadError:
+            self.engine_stats = None
         return generate_latest(self.registry)
 
 

@@ -6,7 +6,8 @@ Why not a separate engine deployment: a conversation's state lives in two places
 gateway's response store and the engine's prefix cache, and both must be on the replica
 the session router sends the conversation to; one replica = one gateway + one engine
 keeps them together, and there is no extra hop per token. Serve's health check calls the
-engine, so a dead engine gets its replica replaced.
+engine: a dead engine is restarted in place (up to max_engine_restarts), and once the
+restarts are spent the failing health check gets the replica replaced.
 
 API key: `gateway.api_key` in the config, or, when that is absent (or null), the environment
 variable CADENZA_API_KEY of the replica's process (deploy/kuberay-rayservice.yaml sets it from

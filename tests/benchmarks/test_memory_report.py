@@ -71,9 +71,15 @@ def test_a_child_process_is_read_by_pid(holder: subprocess.Popen) -> None:
 def test_the_report_counts_a_shared_process_once_and_survives_a_dead_pid(holder: subprocess.Popen) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    # The local executor's worker is the engine's process; the gateway is this one.
-    report = serving_memory_report(holder.pid, [holder.pid, dead.pid], os.getpid(), 538 * MB)
-    assert report.engine.pid == holder.pid and report.gateway.pid == os.getpid()
+    # The local executor's worker is the engine's process. The gateway is a child of ours, not
+    # this process: in the full suite this process drives the shared Ray instance.
+    gateway = subprocess.Popen(["sleep", "30"])
+    try:
+        report = serving_memory_report(holder.pid, [holder.pid, dead.pid], gateway.pid, 538 * MB)
+    finally:
+        gateway.kill()
+        gateway.wait()
+    assert report.engine.pid == holder.pid and report.gateway.pid == gateway.pid
     assert [w.pid for w in report.workers] == [holder.pid]
     assert report.serving_tree_peak_mb == pytest.approx(report.engine.peak_mb + report.gateway.peak_mb)
     assert str(dead.pid) in report.unreadable
@@ -122,6 +128,7 @@ def test_ray_own_processes_are_those_of_the_servings_session(tmp_path: Path) -> 
         engine, idle = sleeps[:2]
         assert ray_session_of([engine]) == SESSION
         assert ray_own_pids(SESSION, exclude={engine}) == sorted([raylet.pid, idle])
+        # This process may drive the suite's shared Ray instance: the engine's session wins.
         report = serving_memory_report(engine, [], os.getpid(), None)
         assert report.ray_own.session == SESSION
         assert {p.pid for p in report.ray_own.processes} == {raylet.pid, idle}

@@ -82,7 +82,7 @@ def two_replicas(ray_cluster, tiny_chat_model: Path):  # noqa: ANN201
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = CadenzaDeployment.options(
         num_replicas=2, request_router_config=SESSION_ROUTER, health_check_period_s=1, health_check_timeout_s=10
-    ).bind(str(tiny_chat_model), "tiny", {"num_blocks": 256}, {})
+    ).bind(str(tiny_chat_model), "tiny", {"num_blocks": 256, "max_engine_restarts": 1}, {})
     serve.run(app, name="cadenza", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -132,9 +132,29 @@ def _stats(url: str, session: str) -> tuple[str, dict]:
         return r.headers["x-cadenza-replica"], json.loads(r.read())
 
 
+def _restarted_engine(url: str, session: str, replica: str, old_pid: int) -> dict:
+    """The stats of `replica` once its AsyncLLM has replaced the engine actor `old_pid`."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "the replica did not restart its dead engine"
+        try:
+            seen, stats = _stats(url, session)
+        except OSError:  # the dying engine's last calls fail; that is expected
+            seen, stats = None, {}
+        if seen == replica and stats["engine"]["engine_pid"] != old_pid:
+            return stats
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
-def test_a_dead_engine_fails_the_health_check_and_serve_replaces_the_replica(two_replicas: str) -> None:
+def test_a_dead_engine_is_restarted_in_place_then_serve_replaces_the_replica(two_replicas: str) -> None:
+    """The replica's AsyncLLM replaces a dead engine up to max_engine_restarts (1 here); the next
+    death fails its health check and Serve replaces the replica."""
     victim, stats = _stats(two_replicas, "victim")
+    os.kill(stats["engine"]["engine_pid"], signal.SIGKILL)
+    stats = _restarted_engine(two_replicas, "victim", victim, stats["engine"]["engine_pid"])
+    assert stats["engine"]["num_engine_restarts"] == 1
+    assert _get(two_replicas, {"x-session-id": "victim"})[1]["choices"][0]["message"]["content"] is not None
     os.kill(stats["engine"]["engine_pid"], signal.SIGKILL)
     deadline, seen = time.monotonic() + 120, set()
     while not (len(seen) == 2 and victim not in seen):  # Serve replaces the unhealthy replica
