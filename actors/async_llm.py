@@ -41,12 +41,14 @@ class AsyncLLM(StreamingClient):
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
         super().__init__()
-        self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
+        config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
         path, self.model_config = read_model(model)
-        check_tp(self.model_config, self.config.tensor_parallel_size)
-        stage_layers(self.model_config.num_layers, self.config.pipeline_parallel_size, 0)
+        check_tp(self.model_config, config.tensor_parallel_size)
+        stage_layers(self.model_config.num_layers, config.pipeline_parallel_size, 0)
         self.tokenizer = load_tokenizer(path, self.model_config)
-        ensure_ray(self.config.world_size)
+        ensure_ray(config.world_size)
+        # The workers (or the local engine actor) take the GPUs, not this process: the cluster's count.
+        self.config = config.placed(int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")
         codec.register()
         self.engine = _new_engine(self.config)
         try:

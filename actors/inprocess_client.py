@@ -25,6 +25,7 @@ import torch
 from cadenza.actors.engine_core import EngineCore
 from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
+from cadenza.device import visible_gpus
 from cadenza.messages import EngineRequest
 from cadenza.models.loader import load_model
 from cadenza.stats import ServingStats
@@ -37,7 +38,7 @@ class InProcessClient(StreamingClient):
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
         super().__init__()
-        self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
+        self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args).placed(visible_gpus())
         if self.config.world_size != 1:
             raise ValueError("the in-process engine runs one worker; tensor / pipeline parallelism needs AsyncLLM")
         torch.manual_seed(seed)

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from cadenza.actors.engine_core import EngineCore
 from cadenza.actors.prompts import PendingRequest, fan_out, require_tokenizer, tokenize
 from cadenza.config import DEFAULT_MODEL, EngineConfig
+from cadenza.device import visible_gpus
 from cadenza.engine_client import Prompt
 from cadenza.models.loader import load_model
 from cadenza.models.tokenizer import Tokenizer
@@ -27,7 +28,7 @@ class LLM:
     scheduling_policy) are EngineConfig's."""
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
-        self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
+        self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args).placed(visible_gpus())
         torch.manual_seed(seed)
         loaded = load_model(model, self.config.weight_format, self.config.device, self.config.max_model_len)
         self.tokenizer: Tokenizer | None = loaded.tokenizer

@@ -1,4 +1,5 @@
-"""GPU check: every Triton kernel against its torch reference at real shapes, timed against torch.
+"""GPU check: every Triton kernel against its torch reference at real shapes, timed against torch,
+then the whole engine on a Llama-3.2-1B-shaped random model against transformers (gpu_model.py).
 
     python -m cadenza.benchmarks.gpu_check [--quick] [--dtype bf16|fp16|both] [--budget-s 240]
 
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no case after this many seconds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the only ones --device cpu runs)")
+    parser.add_argument("--no-model", action="store_true", help="kernels only: skip the whole-model check")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -139,9 +141,27 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--device cpu runs the Triton interpreter: add --tiny")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel module is imported
     dtypes = [torch.float16] if args.device == "cpu" else DTYPES[args.dtype]  # no bf16 tl.dot there
-    report = run_checks(make_plan(args.tiny, args.quick), dtypes, torch.device(args.device), args.budget_s, args.quick)
+    dev = torch.device(args.device)
+    report = run_checks(make_plan(args.tiny, args.quick), dtypes, dev, args.budget_s, args.quick)
+    if not args.no_model:
+        report["model"] = _model_report(args.tiny, dev, dtypes[0])
+        report["passed"] = report["passed"] and report["model"].get("passed", False)
     print(json.dumps(report, indent=1))
     return 0 if report["passed"] else 1
+
+
+def _model_report(tiny: bool, dev: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """The whole-model part (gpu_model.py); a failure is reported in the document, not raised.
+    Off CUDA the model runs in fp32 with the CPU kernels: the Triton interpreter would take
+    minutes over a whole model, and the kernels have their own cases above."""
+    from cadenza.benchmarks.gpu_model import model_check
+
+    try:
+        report = model_check(tiny, dev, dtype if dev.type == "cuda" else torch.float32, batches=(1, 8, 64))
+    except Exception as exc:  # noqa: BLE001 - reported in the document
+        return {"passed": False, "error": repr(exc)[:1000]}
+    report["passed"] = report["vs_transformers"]["greedy_identical"]
+    return report
 
 
 if __name__ == "__main__":

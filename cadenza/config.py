@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from cadenza.device import check_device_name, resolve_device
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
@@ -88,6 +90,10 @@ class EngineConfig:
     may vary with batch composition and prefix-cache hits (off: weight-only, exact). See
     cadenza.weight_format.
 
+    device: "auto" (default: CUDA when the engine can use a GPU, else the CPU), "cuda",
+    "cuda:N" or "cpu" (cadenza.device); clients resolve it with placed() before building
+    anything, so "cuda" without a GPU is a clear error.
+
     block_size: tokens per KV block. num_blocks: the KV pool's size in blocks, when given.
     Else the pool holds what max_num_seqs requests of max_model_len tokens can use at once
     (each rounded up to whole blocks), capped by kv_cache_memory, the bytes of the whole
@@ -129,7 +135,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE
     int8_activations: bool = False
-    device: str = "cpu"
+    device: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
@@ -157,6 +163,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_format(self.dtype, self.quantization, self.quantization_group_size)
+        check_device_name(self.device)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -196,6 +203,11 @@ class EngineConfig:
             self.max_stop_string_chars,
             self.max_stop_token_ids,
         )
+
+    def placed(self, num_gpus: int, where: str = "this process") -> EngineConfig:
+        """This config with a concrete device ("auto" resolved, "cuda" checked) for an engine
+        that can use `num_gpus` GPUs; every client calls it before building anything."""
+        return dataclasses.replace(self, device=resolve_device(self.device, num_gpus, where))
 
     def worker_resources(self) -> tuple[float, float, int]:
         """(Ray CPUs, Ray GPUs, torch threads) of one worker, wherever it runs (a worker actor,

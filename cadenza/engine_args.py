@@ -7,6 +7,7 @@ import argparse
 import json
 
 from cadenza.config import DEFAULT_MODEL
+from cadenza.device import DEVICES
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
@@ -29,6 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--int8-activations", action="store_true", help="CPU q4/q8 kernels read x rounded to int8 (faster, not exact)"
     )
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto: CUDA when a GPU is there, else the CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -56,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         int8_activations=args.int8_activations,
+        device=args.device,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

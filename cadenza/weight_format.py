@@ -9,6 +9,7 @@ dense weights are stored. On CUDA `dtype` is also the activations' and KV cache'
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ DENSE_KIND = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 # CPU flags (/proc/cpuinfo) that mean native bf16 dot products.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 CPUINFO = Path("/proc/cpuinfo")
+# Overrides the detection of what dtype="auto" means on the CPU (resolve_dtype).
+CPU_AUTO_DTYPE_ENV = "CADENZA_CPU_AUTO_DTYPE"
 
 
 @functools.cache
@@ -44,11 +47,18 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
 
 
 def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:
-    """dtype "auto": bf16 on CUDA and on CPUs with native bf16 dot products, fp32 elsewhere."""
+    """dtype "auto": bf16 on CUDA and on CPUs with native bf16 dot products, fp32 elsewhere.
+    On the CPU, $CADENZA_CPU_AUTO_DTYPE (float32 / bfloat16 / float16) overrides the detection:
+    one fleet-wide meaning of "auto" whatever each machine's CPU (the test suite sets float32,
+    so its fp32 comparisons with transformers hold on bf16 CPUs too)."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
         return "bfloat16"
+    if flags is None and (forced := os.environ.get(CPU_AUTO_DTYPE_ENV)):
+        if forced not in DTYPES:
+            raise ValueError(f"{CPU_AUTO_DTYPE_ENV}={forced!r}: choose one of {', '.join(DTYPES)}")
+        return forced
     flags = cpu_flags() if flags is None else flags
     return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
 

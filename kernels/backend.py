@@ -14,16 +14,23 @@ BACKENDS = ("torch", "cpu", "triton")
 
 
 @functools.cache
-def default_backend() -> str:
-    """triton on CUDA; on the CPU the C decode attention when this host can build it."""
-    if torch.cuda.is_available():
-        return "triton"
+def host_backend() -> str:
+    """The CPU's default: the C kernels when this host can build them, else torch."""
     return "cpu" if decode_attention_available() and elementwise_available() else "torch"
 
 
-def backend() -> str:
-    """The kernel backend in force; a clear error for an unknown one."""
-    name = os.environ.get("CADENZA_KERNELS") or default_backend()
+def default_backend(device: torch.device | None = None) -> str:
+    """triton for tensors on CUDA, host_backend() for tensors on the CPU. Without a device:
+    where torch would put them (CUDA when visible). A model placed on the CPU of a GPU host
+    gets the CPU kernels: the backend follows the tensors, not the machine."""
+    on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    return "triton" if on_cuda else host_backend()
+
+
+def backend(device: torch.device | None = None) -> str:
+    """The kernel backend in force for tensors on `device`: CADENZA_KERNELS when set (read per
+    call, so a test can switch it), else default_backend(device); a clear error for an unknown one."""
+    name = os.environ.get("CADENZA_KERNELS") or default_backend(device)
     if name not in BACKENDS:
         raise ValueError(f"CADENZA_KERNELS={name!r} is not available; choose one of {BACKENDS}")
     return name
@@ -31,4 +38,4 @@ def backend() -> str:
 
 def runs_native(x: torch.Tensor) -> bool:
     """Whether the `cpu` backend's C kernels take this tensor (fp32 on the CPU)."""
-    return backend() == "cpu" and x.dtype == torch.float32 and x.device.type == "cpu"
+    return backend(x.device) == "cpu" and x.dtype == torch.float32 and x.device.type == "cpu"

@@ -34,7 +34,7 @@ __all__ = [
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if backend() == "triton":
+    if backend(x.device) == "triton":
         return fused_add_rms_norm_triton(x, None, weight, eps)[0]
     if runs_native(x):
         return fused_add_rms_norm_cpu(x, None, weight, eps)[0]
@@ -44,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend() == "triton":
+    if backend(x.device) == "triton":
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     if runs_native(x):
         return fused_add_rms_norm_cpu(x, residual, weight, eps)
@@ -52,7 +52,7 @@ def fused_add_rms_norm(
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend() == "triton":
+    if backend(q.device) == "triton":
         return rotary_triton(q, k, cos_sin)
     if runs_native(q):
         return rotary_cpu(q, k, cos_sin)
@@ -60,7 +60,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[tor
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if backend() == "triton":
+    if backend(x.device) == "triton":
         return silu_and_mul_triton(x)
     if runs_native(x):
         return silu_and_mul_cpu(x)
@@ -70,7 +70,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    if backend() == "triton":
+    if backend(key.device) == "triton":
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
@@ -78,6 +78,6 @@ def write_kv(
 
 def packed_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for a q8 / q4 PackedWeight, in x's dtype."""
-    if backend() == "triton":
+    if backend(x.device) == "triton":
         return packed_matmul_triton(x, w, bias)
     return packed_matmul_ref(x, w, bias)

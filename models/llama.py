@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers; (x, residual) is what the next pipeline stage continues from."""
         cos_sin = self.cos_sin[positions]
-        if self.decode_stack is not None and x.shape[0] == 1 and ops.backend() == "cpu":
+        if self.decode_stack is not None and x.shape[0] == 1 and ops.backend(x.device) == "cpu":
             slot, seq_len = int(meta.slot_mapping[0]), meta.seq_lens[0]
             return self.decode_stack(x, residual, cos_sin, kv_caches, slot, meta.block_tables[0], seq_len)
         for layer, kv in zip(self.layers, kv_caches, strict=True):

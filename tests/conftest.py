@@ -11,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run interpreted here; must precede their import
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# dtype="auto" is bf16 on CPUs with native bf16 dot products: the suite compares fp32 against
+# transformers in fp32 on every machine (its servers and Ray workers inherit this too).
+os.environ.setdefault("CADENZA_CPU_AUTO_DTYPE", "float32")
 
 from cadenza.models.loader import DEFAULT_MODEL, resolve_model_path  # noqa: E402
 

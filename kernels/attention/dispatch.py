@@ -21,7 +21,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D] for every token of the batch (contract: paged_attention_ref)."""
-    if backend() == "triton":
+    if backend(q.device) == "triton":
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     if runs_native(q):
         return paged_attention_ref(

@@ -41,7 +41,7 @@ class CpuFp32Linear(LinearMethod):
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The backend is read per call: CADENZA_KERNELS=torch turns the C GEMV off.
-        if self.few_rows_kernel and x.shape[0] <= FEW_ROWS and backend() == "cpu":
+        if self.few_rows_kernel and x.shape[0] <= FEW_ROWS and backend(x.device) == "cpu":
             return linear_few_rows(x, self.rows, bias)
         return dense_linear(x, self.weight_t, bias)
 

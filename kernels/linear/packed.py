@@ -32,6 +32,9 @@ PACKED_FEW_ROWS = 16
 TILE_ELEMENTS = 1 << 20  # 4 MB of fp32: one decoded tile, in L2/L3 while the GEMM reads it
 
 
+CPU = torch.device("cpu")  # a bound weight lives there
+
+
 class PackedLinear(LinearMethod):
     """int8_activations: q4 / q8 read x rounded to int8 per block of 32 in every path."""
 
@@ -43,7 +46,7 @@ class PackedLinear(LinearMethod):
 
     def _c(self) -> BoundWeight | None:
         # The backend is read per call: CADENZA_KERNELS=torch runs the reference.
-        return self.bound if self.bound is not None and backend() == "cpu" else None
+        return self.bound if self.bound is not None and backend(CPU) == "cpu" else None
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         bound = self._c()

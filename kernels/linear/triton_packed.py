@@ -20,7 +20,7 @@ class TritonPackedLinear(LinearMethod):
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The backend is read per call: CADENZA_KERNELS=torch swaps in the dequantizing reference.
-        if backend() == "torch":
+        if backend(x.device) == "torch":
             return packed_matmul_ref(x, self.weight, bias)
         return packed_matmul_triton(x, self.weight, bias)
 

@@ -14,6 +14,7 @@ from cadenza.kernels import ops
 from cadenza.kernels.activation import silu_and_mul_ref
 from cadenza.kernels.attention import cpu as attention_cpu
 from cadenza.kernels.attention.reference import paged_attention_ref, paged_decode_attention_ref
+from cadenza.kernels.backend import host_backend
 from cadenza.kernels.cpu import bindings, build, decode_stack, elementwise, gemv
 from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from cadenza.kernels.rotary import rotary_ref
@@ -62,7 +63,7 @@ def test_without_a_compiler_nothing_is_built_and_torch_is_the_default(
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("CADENZA_CACHE_DIR", str(tmp_path))
     build.load.cache_clear()
-    ops.default_backend.cache_clear()
+    host_backend.cache_clear()
     try:
         assert build.load("decode_attention") is None
         assert not attention_cpu.decode_attention_available()
@@ -71,7 +72,7 @@ def test_without_a_compiler_nothing_is_built_and_torch_is_the_default(
     finally:
         monkeypatch.undo()
         build.load.cache_clear()
-        ops.default_backend.cache_clear()
+        host_backend.cache_clear()
     assert attention_cpu.decode_attention_available()
 
 

@@ -16,7 +16,7 @@ from tests.conftest import TINY, TINY_CONFIGS
 from tests.models.test_logits_vs_hf import hf_logprobs
 
 
-@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+@pytest.mark.parametrize("kernels", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
 def test_greedy_decode_steps_match_hf(tiny_model, monkeypatch: pytest.MonkeyPatch, kind: str, kernels: str) -> None:
     if kernels == "cpu" and not decode_layers_available():

@@ -1,0 +1,76 @@
+"""Device selection: `device` auto|cuda|cpu (cadenza.device), and the kernel backend that
+follows the tensors' device rather than the machine's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadenza.config import EngineConfig
+from cadenza.device import resolve_device, visible_gpus
+from cadenza.kernels import backend as kernels_backend
+from cadenza.weight_format import resolve_dtype
+
+
+def test_auto_takes_a_gpu_when_there_is_one_else_the_cpu() -> None:
+    assert resolve_device("auto", 0) == "cpu"
+    assert resolve_device("auto", 2) == "cuda"
+    assert resolve_device("cpu", 4) == "cpu"
+    assert resolve_device("cuda", 1) == "cuda"
+    assert resolve_device("cuda:1", 2) == "cuda:1"
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "cpu:0", "CUDA", "mps"])
+def test_unknown_device_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="device must be one of auto, cuda, cpu"):
+        EngineConfig(model="m", device=name)
+
+
+def test_cuda_without_a_gpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"device='cuda' but the Ray cluster has no CUDA device.*--device cpu"):
+        resolve_device("cuda", 0, "the Ray cluster")
+    with pytest.raises(ValueError, match=r"device='cuda:2' but this process has 2 CUDA device\(s\)"):
+        resolve_device("cuda:2", 2)
+
+
+def test_placed_resolves_the_config_and_its_dtype() -> None:
+    config = EngineConfig(model="m")
+    assert config.device == "auto"
+    assert config.placed(0).device == "cpu"
+    on_gpu = config.placed(1)
+    assert on_gpu.device == "cuda" and on_gpu.weight_format.compute_dtype == torch.bfloat16  # bf16 on CUDA
+    assert on_gpu.compiled_graph and on_gpu.worker_resources()[1] == 1.0  # one GPU per worker
+
+
+def test_the_backend_follows_the_tensors_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU host a model placed on the CPU still gets the CPU kernels, and CUDA tensors Triton's."""
+    monkeypatch.delenv("CADENZA_KERNELS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kernels_backend.backend(torch.device("cpu")) == kernels_backend.host_backend()
+    assert kernels_backend.backend(torch.device("cuda", 0)) == "triton"
+    assert kernels_backend.backend() == "triton"  # no tensor: where torch would put one
+    monkeypatch.setenv("CADENZA_KERNELS", "torch")  # an explicit choice wins everywhere
+    assert kernels_backend.backend(torch.device("cuda", 0)) == "torch"
+
+
+@pytest.mark.skipif(visible_gpus() > 0, reason="checks the error where there is no GPU")
+def test_the_cli_refuses_cuda_without_a_gpu_in_one_line() -> None:
+    cli = str(Path(sys.executable).parent / "cadenza")
+    out = subprocess.run([cli, "generate", "--device", "cuda", "hi"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("cadenza: error: device='cuda' but this process has no CUDA device")
+
+
+def test_cpu_auto_dtype_follows_the_cpu_unless_the_environment_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16_cpu, plain_cpu = frozenset({"avx512_bf16", "fma"}), frozenset({"avx2", "fma"})
+    assert resolve_dtype("auto", "cpu", bf16_cpu) == "bfloat16" and resolve_dtype("auto", "cpu", plain_cpu) == "float32"
+    assert resolve_dtype("auto", "cuda", plain_cpu) == "bfloat16" and resolve_dtype("float16", "cpu") == "float16"
+    monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "bfloat16")
+    assert resolve_dtype("auto", "cpu") == "bfloat16" and resolve_dtype("auto", "cuda") == "bfloat16"
+    monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="CADENZA_CPU_AUTO_DTYPE='fp8'"):
+        resolve_dtype("auto", "cpu")
