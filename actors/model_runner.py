@@ -200,7 +200,8 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, batch: Batch) -> ModelRunnerOutput:
         if not batch.sampling:
             return ModelRunnerOutput.empty()
-        logits = self.model.compute_logits(hidden[batch.sample_rows]).cpu()
+        # Sampled where the logits are: only the token ids (and logprobs asked for) reach the host.
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
         if not self.is_driver:  # the gather above is collective; sampling is the driver's alone
             return ModelRunnerOutput.empty()
         plain, plain_rows, spec, spec_rows = [], [], [], []

@@ -37,13 +37,13 @@ def verify(logits: torch.Tensor, rows: list[SpecRow]) -> tuple[list[list[int]], 
     """logits [sum(k_i + 1), V] fp32, request i's k_i + 1 rows in order -> per request the
     emitted tokens (accepted drafts, then one corrected or bonus token) and their logprobs."""
     positions = [at_position(r.base, r.draft_ids[:j]) for r in rows for j in range(len(r.draft_ids) + 1)]
-    drafts = torch.tensor([d for r in rows for d in [*r.draft_ids, -1]])
+    drafts = torch.tensor([d for r in rows for d in [*r.draft_ids, -1]], device=logits.device)
     processed = apply_penalties_and_masks(logits, positions)
     candidate = processed.argmax(dim=-1)
     accept = candidate == drafts
     random = [i for i, p in enumerate(positions) if not p.params.greedy]
     if random:
-        q = _proposal_probs(rows, logits.shape[-1])[random]
+        q = _proposal_probs(rows, logits.shape[-1]).to(logits.device)[random]
         accept[random], candidate[random] = _verify_random(processed[random], q, drafts[random], positions, random)
     return _assemble(rows, accept.tolist(), candidate.tolist(), logits, positions)
 
@@ -72,7 +72,7 @@ def _verify_random(
     has_draft = drafts >= 0
     idx = drafts.clamp(min=0)[:, None]
     p_d, q_d = p.gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
-    accept = has_draft & (_uniform(rows) * q_d < p_d)
+    accept = has_draft & (_uniform(rows).to(p.device) * q_d < p_d)
     residual = (p - q).clamp(min=0.0)
     empty = residual.sum(dim=-1) <= 0  # p == q exactly: rejection had probability 0
     residual[empty] = p[empty]

@@ -67,11 +67,11 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
     p = r.params
     vocab = row.shape[0]
     if p.needs_penalties:
-        outputs = torch.tensor(r.output_ids, dtype=torch.long)
+        outputs = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
         counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(row.dtype)
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(r.prompt_ids, dtype=torch.long)] = True
+            seen[torch.tensor(r.prompt_ids, dtype=torch.long, device=row.device)] = True
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
@@ -86,11 +86,11 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The distribution a random row draws from: temperature, top-k, top-p, then min-p.
     Rows may not sum to 1 after min-p; draw() and the rejection sampler do not need them to."""
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
     logits = logits / temperature[:, None]
     logits = _top_k_top_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=probs.device)
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
@@ -100,10 +100,14 @@ def draw(weights: torch.Tensor, rows: list[SamplingRow], salt: str = "") -> torc
     """One token per row in proportion to its (unnormalised) weights.
 
     Exponential race: argmax(w / E) with E ~ Exp(1) draws from w; it needs no normalising.
+    A seeded row's noise comes from its CPU stream whatever the logits' device, so a seed
+    gives the same tokens on a GPU as on the CPU; the others draw where the logits are.
     """
-    noise = torch.empty_like(weights)
+    noise = torch.empty_like(weights).exponential_()
     for i, r in enumerate(rows):
-        noise[i].exponential_(generator=r.generator(salt))
+        g = r.generator(salt)
+        if g is not None:
+            noise[i] = torch.empty(weights.shape[-1], dtype=weights.dtype).exponential_(generator=g)
     return (weights / noise).argmax(dim=-1)
 
 
@@ -113,12 +117,12 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if not any(top_k) and all(p >= 1.0 for p in top_p):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1])[None, :]
-    k = torch.tensor([k or logits.shape[-1] for k in top_k])[:, None]
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.tensor([k or logits.shape[-1] for k in top_k], device=logits.device)[:, None]
     drop = rank >= k
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-    drop |= before >= torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    drop |= before >= torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]
     drop[:, 0] = False  # the most likely token always survives
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cadenza.benchmarks.serve import percentiles_ms
+from cadenza.benchmarks.report import percentiles_ms
 from cadenza.sampling_params import SamplingParams
 
 COMPARED = ("ttft_ms", "tpot_ms")

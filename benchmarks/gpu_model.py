@@ -70,7 +70,7 @@ def _sync(device: torch.device) -> None:
 
 
 def greedy_vs_hf(llm: Any, hf: torch.nn.Module, prompt: list[int], steps: int, device: torch.device) -> dict[str, Any]:
-    from cadenza import SamplingParams
+    from cadenza.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
@@ -95,7 +95,7 @@ def greedy_vs_hf(llm: Any, hf: torch.nn.Module, prompt: list[int], steps: int, d
 
 def decode_tpot_ms(llm: Any, vocab: int, batch: int, tokens: int) -> float:
     """Median over requests of (last token - first token) / (tokens - 1), batch requests at once."""
-    from cadenza import SamplingParams
+    from cadenza.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     prompts = [{"prompt_token_ids": torch.randint(0, vocab, (PROMPT_LEN,), generator=g).tolist()} for _ in range(batch)]
@@ -111,7 +111,7 @@ def model_check(
     tiny: bool, device: torch.device, dtype: torch.dtype, steps: int = 64, batches: tuple[int, ...] = (1, 8, 64)
 ) -> dict[str, Any]:
     """The whole-model report (see the module's docstring)."""
-    from cadenza import LLM
+    from cadenza.actors.llm import LLM
 
     shape = TINY_LLAMA if tiny else LLAMA_1B
     name = str(dtype).removeprefix("torch.")

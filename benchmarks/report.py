@@ -1,8 +1,10 @@
-"""Benchmarks report alike: indented JSON on stdout, and the same in a file when asked."""
+"""Benchmarks report alike: indented JSON on stdout, and the same in a file when asked; latency
+percentiles in one shape."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Any
 
 
@@ -13,3 +15,17 @@ def report(result: dict[str, Any], path: str | None) -> dict[str, Any]:
         with open(path, "w") as f:
             f.write(text + "\n")
     return result
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    """p50 / p90 / p99 / mean of seconds, in milliseconds (bench serve and compare_offline)."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return {
+        "p50": pick(0.5) * 1e3,
+        "p90": pick(0.9) * 1e3,
+        "p99": pick(0.99) * 1e3,
+        "mean": statistics.mean(values) * 1e3,
+    }

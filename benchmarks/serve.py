@@ -21,7 +21,6 @@ import ipaddress
 import json
 import os
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from cadenza.benchmarks.memory import serving_memory_report
-from cadenza.benchmarks.report import report
+from cadenza.benchmarks.report import percentiles_ms, report
 
 WORDS = "time river light stone music garden window story number cloud paper summer field voice bridge".split()
 
@@ -244,20 +243,6 @@ def memory_section(url: str, stats: dict | str) -> tuple[dict | None, str | None
 
 def _auth(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-
-def percentiles_ms(values: list[float]) -> dict[str, float | None]:
-    """p50 / p90 / p99 / mean of seconds, in milliseconds (also compare_offline's)."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    return {
-        "p50": pick(0.5) * 1e3,
-        "p90": pick(0.9) * 1e3,
-        "p99": pick(0.99) * 1e3,
-        "mean": statistics.mean(values) * 1e3,
-    }
 
 
 def summarize(args: argparse.Namespace, results: list[Result], elapsed: float) -> dict[str, Any]:
