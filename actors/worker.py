@@ -24,8 +24,8 @@ from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.proposers import build_proposer
 from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, WorkerSpec
 from cadenza.models.loader import load_model
-from cadenza.models.shard import shard_model
 from cadenza.models.tp import SINGLE, TPGroup
+from cadenza.models.weights import ModelPart
 from cadenza.weight_format import WeightFormat
 
 # What one worker hands on from a step: HiddenStates from a stage before the last (the next
@@ -72,8 +72,10 @@ class Worker:
         torch.manual_seed(cfg.seed)
         tp = self._join_group(dist_url) if cfg.tensor_parallel_size > 1 else SINGLE
         device = "cuda" if cfg.device.startswith("cuda") else cfg.device
-        loaded = load_model(cfg.model, _sliceable(cfg.weight_format, tp.size), device, cfg.max_model_len)
-        model = shard_model(loaded.model, tp, spec.pp_rank, cfg.pipeline_parallel_size)
+        # Only this rank's part of this stage is read into memory (models/rank_slice.py).
+        part = ModelPart(tp, spec.pp_rank, cfg.pipeline_parallel_size)
+        loaded = load_model(cfg.model, _sliceable(cfg.weight_format, tp.size), device, cfg.max_model_len, part)
+        model = loaded.model
         is_driver = tp.rank == 0 and model.is_last_stage
         eos = tuple(spec.eos_token_ids)
         # The driver samples, so it verifies drafts and proposes the next ones (a draft model

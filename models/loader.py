@@ -14,7 +14,7 @@ from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_c
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.safetensors_loader import iter_safetensors, read_hf_config
 from cadenza.models.tokenizer import Tokenizer
-from cadenza.models.weights import build_model
+from cadenza.models.weights import ModelPart, build_model
 from cadenza.weight_format import WeightFormat
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,11 @@ def load_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
     return Tokenizer.from_gguf(open_gguf(path), path, cfg.eos_token_ids)
 
 
-def load_model(name: str, fmt: WeightFormat, device: str, max_len: int | None = None) -> LoadedModel:
-    """The model in `fmt` (see cadenza.weight_format); its projections are packed and their
+def load_model(
+    name: str, fmt: WeightFormat, device: str, max_len: int | None = None, part: ModelPart | None = None
+) -> LoadedModel:
+    """The model in `fmt` (see cadenza.weight_format), or only `part` of it (a TP rank of a
+    pipeline stage, cut as the tensors are read); its projections are packed and their
     kernels chosen by model.prepare_kernels(), after any sharding."""
     path = resolve_model_path(name)
     if path.is_dir():
@@ -76,7 +79,7 @@ def load_model(name: str, fmt: WeightFormat, device: str, max_len: int | None = 
         tensors = iter_gguf_tensors(reader, cfg, path, keep=fmt.keep_gguf)
         tokenizer = Tokenizer.from_gguf(reader, path, cfg.eos_token_ids)
     length = max_model_len(cfg, max_len)
-    model = build_model(cfg, tensors, fmt, device, length)
+    model = build_model(cfg, tensors, fmt, device, length, part)
     model.weights_label = weights_label(model, fmt)
     log.info("%s: weights as %s, computing in %s", name, model.weights_label, fmt.compute_dtype)
     return LoadedModel(cfg, model, tokenizer, length)

@@ -1,7 +1,9 @@
-"""Cut a loaded model down to one worker's part: a pipeline stage and a tensor-parallel slice.
+"""Cut a model down to one worker's part: a pipeline stage and a tensor-parallel slice.
 
-The full model is loaded first and sliced after (simple, and every file format works the
-same); the slices are fresh contiguous copies, so the full weights are freed afterwards.
+Workers apply it to the model on the meta device, before any weight is read, to get the
+part's shapes; models/rank_slice.py then cuts each tensor as it is read. On a loaded model
+it makes fresh contiguous copies of the slices (the reference the sliced load is tested
+against).
 """
 
 from __future__ import annotations

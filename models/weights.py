@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,7 +18,10 @@ from torch import nn
 from cadenza.kernels.quant.weight import PackedWeight, cat_rows
 from cadenza.models.config import ModelConfig
 from cadenza.models.llama import Linear, LlamaForCausalLM
+from cadenza.models.rank_slice import RankSlicer
 from cadenza.models.rope import cos_sin_cache
+from cadenza.models.shard import shard_model, stage_layers
+from cadenza.models.tp import TPGroup
 from cadenza.weight_format import WeightFormat
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -26,21 +30,52 @@ Loaded = torch.Tensor | PackedWeight
 EMBED = "model.embed_tokens.weight"
 
 
+@dataclass(frozen=True, slots=True)
+class ModelPart:
+    """The part of the model one worker holds: a TP rank of one pipeline stage."""
+
+    tp: TPGroup
+    stage: int = 0
+    num_stages: int = 1
+
+
 def build_model(
-    cfg: ModelConfig, tensors: Iterable[tuple[str, Loaded]], fmt: WeightFormat, device: str, max_positions: int
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, Loaded]],
+    fmt: WeightFormat,
+    device: str,
+    max_positions: int,
+    part: ModelPart | None = None,
 ) -> LlamaForCausalLM:
-    """Allocate without initialising (meta device), then copy every weight exactly once."""
+    """Allocate without initialising (meta device), then copy every weight exactly once.
+    With a part, the model is cut to it first (on the meta device) and each tensor is cut as
+    it is read (models/rank_slice.py): the worker never holds the whole model."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
+    slicer = None
+    if part is not None:
+        model = shard_model(model, part.tp, part.stage, part.num_stages)
+        layers = stage_layers(cfg.num_layers, part.num_stages, part.stage)
+        slicer = RankSlicer(cfg, part.tp, layers, model.is_first_stage, model.is_last_stage)
     _materialize_small(model, fmt.compute_dtype, device)
     model.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
     model.weight_format = fmt
-    loader = _Loader(model, cfg, fmt.compute_dtype, device)
+    loader = _Loader(model, cfg, fmt.compute_dtype, device, slicer)
     for name, tensor in tensors:
         loader.load(name, tensor)
     loader.finish()
     _check_complete(model, loader.filled)
+    _materialize_placeholders(model, fmt.compute_dtype, device)
     return model.eval()
+
+
+def _materialize_placeholders(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
+    """A stage's stand-ins for what it never runs (a later stage's 1x1 embedding, an earlier
+    one's 1x1 LM head) get real, empty storage: nothing in the file is theirs."""
+    for module in (model.embed_tokens, model.lm_head):
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(module, name, nn.Parameter(torch.zeros(p.shape, dtype=dtype, device=device), False))
 
 
 def _materialize_small(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
@@ -54,21 +89,28 @@ def _materialize_small(model: LlamaForCausalLM, dtype: torch.dtype, device: str)
 
 
 class _Loader:
-    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, dtype: torch.dtype, device: str) -> None:
-        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+    def __init__(
+        self, model: LlamaForCausalLM, cfg: ModelConfig, dtype: torch.dtype, device: str, slicer: RankSlicer | None
+    ) -> None:
+        self.model, self.cfg, self.dtype, self.device, self.slicer = model, cfg, dtype, device, slicer
         self.filled: set[str] = set()
         self.parts: dict[Linear, list[tuple[int, PackedWeight]]] = {}
 
     def load(self, name: str, tensor: Loaded) -> None:
         if name.endswith(_IGNORED) or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return
-        self._put(name, tensor)
-        if name == EMBED and self.cfg.tie_word_embeddings:
-            self._put("lm_head.weight", tensor)  # dense: its own copy, which its method may re-lay out
+        if self.slicer is not None:  # this worker's parts only (a tied LM head included)
+            for cut in self.slicer.cuts(name, tensor):
+                self._put(cut.name, cut.tensor, cut.offset)
+        else:
+            self._put(name, tensor)
+            if name == EMBED and self.cfg.tie_word_embeddings:
+                self._put("lm_head.weight", tensor)  # dense: its own copy, which its method may re-lay out
         self.filled.add(name)
 
-    def _put(self, name: str, tensor: Loaded) -> None:
+    def _put(self, name: str, tensor: Loaded, local_offset: int | None = None) -> None:
         module, attribute, offset = _target(self.model, self.cfg, name)
+        offset = offset if local_offset is None else local_offset  # a rank's row in its fused slice
         if isinstance(tensor, PackedWeight):
             self._put_packed(module, name, tensor.to(self.device), offset)
             return
@@ -122,7 +164,7 @@ def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[nn.Mo
     if name == "lm_head.weight":
         return model.lm_head, "weight_t", None
     match = _LAYER.fullmatch(name)
-    if not match or int(match.group(1)) >= cfg.num_layers:
+    if not match or int(match.group(1)) >= len(model.layers):
         raise ValueError(f"unexpected weight {name!r}")
     layer, rest = model.layers[int(match.group(1))], match.group(2)
     return _layer_target(layer, cfg, rest, name)
