@@ -54,7 +54,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    touched = [i for i, r in enumerate(rows) if r.params.needs_penalties or len(r.output_ids) < r.params.min_tokens]
+    touched = [i for i, r in enumerate(rows) if r.params.edits_logits or len(r.output_ids) < r.params.min_tokens]
     if not touched:
         return logits
     logits = logits.clone()
@@ -75,6 +75,9 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device))
     if len(r.output_ids) < p.min_tokens and r.stop_ids:
         row[list(r.stop_ids)] = float("-inf")
 

@@ -36,6 +36,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
+    # sampling (-100 bans it, +100 all but forces it); applied with the penalties.
+    logit_bias: dict[int, float] = {}
     # Speculative decoding: at most this many drafts per step for this request (0: none);
     # None takes the engine's speculative_config. Ignored when speculation is off.
     num_speculative_tokens: int | None = None
@@ -94,6 +97,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def _check_penalties(self) -> None:
+        if any(not -_INT64_MAX <= t <= _INT64_MAX for t in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids (64-bit integers)")
+        if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -113,3 +120,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (penalties, bias)."""
+        return self.needs_penalties or bool(self.logit_bias)

@@ -68,10 +68,11 @@ class OpenAIHttp:
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
         operation = "chat" if chat else "text_completion"
         run.tally = StreamTally(Observation(self.state.metrics, self.state.tracing, operation, request.headers, params))
+        headers = _ignored_header(body)
         if body.stream:
-            return ReleasingStream(run.sse(), run.release)
+            return ReleasingStream(run.sse(), run.release, headers)
         try:
-            return JSONResponse(await run.whole())
+            return JSONResponse(await run.whole(), headers=headers)
         except (RequestFailedError, EngineDeadError) as e:
             return error_response(500, str(e), "server_error")
         except ValueError as e:
@@ -121,8 +122,10 @@ class ReleasingStream(StreamingResponse):
     response cancelled before the generator ever starts, and a never-started generator runs
     no `finally`, which leaked the place for good."""
 
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(
+        self, content: AsyncIterator[str], release: Callable[[], None], headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -130,6 +133,18 @@ class ReleasingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.release()
+
+
+IGNORED_HEADER = "x-cadenza-ignored-fields"
+
+
+def _ignored_header(body: Body) -> dict[str, str]:
+    """Fields accepted without effect here (openai_schema.IGNORED), named back to the client."""
+    ignored = body.ignored_fields()
+    if not ignored:
+        return {}
+    log.info("accepted without effect: %s", ", ".join(ignored))
+    return {IGNORED_HEADER: ",".join(ignored)}
 
 
 def _chat_message(m: Any) -> dict[str, str]:
@@ -157,6 +172,9 @@ class _Run:
         self.cache_salt: str | None = None
         self.client = ""  # whose admission place this run holds
         self.released = False
+        # Completions' echo: the prompt (and its logprobs) go first; echo_only drops the output.
+        self.echo = not chat and body.echo
+        self.echo_only = self.echo and body.echo_only
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
         stream = self.state.generate(self.prompt_ids, self.params, self.id, self.body.stream, self.cache_salt)
@@ -183,7 +201,7 @@ class _Run:
             self.state.admission.release(self.client)
 
     def usage(self) -> dict[str, Any]:
-        prompt, completion = len(self.prompt_ids), self.tally.completion_tokens
+        prompt, completion = len(self.prompt_ids), 0 if self.echo_only else self.tally.completion_tokens
         usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -200,26 +218,59 @@ class _Run:
 
     async def whole(self) -> dict[str, Any]:
         logprobs: dict[int, list] = {}  # texts and finish reasons are the tally's
+        echoed: tuple[str, list] | None = None
         async for delta in self._deltas():
             out = delta.outputs[0]
+            echoed = echoed or (self._echoed(delta) if self.echo else None)
             logprobs.setdefault(out.index, []).extend(self._logprob_entries(out))
-        texts, reasons = self.tally.texts, self.tally.reasons
+        texts, reasons = dict(self.tally.texts), self.tally.reasons
+        if echoed is not None:
+            prompt_text, prompt_entries = echoed
+            for i in texts:
+                kept_text, kept_entries = ("", []) if self.echo_only else (texts[i], logprobs[i])
+                texts[i], logprobs[i] = prompt_text + kept_text, prompt_entries + kept_entries
         choices = [self._choice(i, texts[i], logprobs[i], reasons.get(i), final=True) for i in sorted(texts)]
         return self._envelope(choices, usage=self.usage())
 
+    def _echoed(self, delta: RequestOutput) -> tuple[str, list[dict[str, Any]]]:
+        """The prompt's text and, when logprobs were asked, an entry per prompt token (the
+        first has no logprob: nothing predicts it)."""
+        prompt = self.body.prompt if isinstance(self.body.prompt, str) else self.state.tokenizer.decode(self.prompt_ids)
+        if self.params.logprobs is None:
+            return prompt, []
+        positions = delta.prompt_logprobs or [None] * len(self.prompt_ids)
+        entries = []
+        for token_id, position in zip(self.prompt_ids, positions):
+            if position is None:
+                entries.append({**_token_entry(self.state, token_id, None), "top_logprobs": None})
+                continue
+            ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
+            entry = _token_entry(self.state, token_id, position[token_id].logprob)
+            entry["top_logprobs"] = [_token_entry(self.state, t, lp.logprob) for t, lp in ranked]
+            entries.append(entry)
+        return prompt, entries
+
     async def sse(self) -> AsyncIterator[str]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        running = bool(options and options.continuous_usage_stats)  # vLLM: usage in every chunk
         try:
             if self.chat:  # OpenAI opens each choice with its role
                 for i in range(self.params.n):
                     opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                     yield _sse(self._envelope([{**opening, "logprobs": None}], chunk=True))
+            echo = self.echo
             async for delta in self._deltas():
                 out = delta.outputs[0]
-                if not (out.text or out.finish_reason):
+                if echo:  # the prompt first, once, in a chunk of its own
+                    echo = False
+                    text, entries = self._echoed(delta)
+                    reason = "length" if self.echo_only else None
+                    yield _sse(self._envelope([self._choice(0, text, entries, reason, final=False)], chunk=True))
+                if self.echo_only or not (out.text or out.finish_reason):
                     continue
                 choice = self._choice(out.index, out.text, self._logprob_entries(out), out.finish_reason, final=False)
-                yield _sse(self._envelope([choice], chunk=True))
+                yield _sse(self._envelope([choice], usage=self.usage() if running else None, chunk=True))
             if include_usage:
                 yield _sse(self._envelope([], usage=self.usage(), chunk=True))
         except (RequestFailedError, EngineDeadError, ValueError) as e:
@@ -258,7 +309,7 @@ class _Run:
         return entries
 
 
-def _token_entry(state: GatewayState, token_id: int, logprob: float) -> dict[str, Any]:
+def _token_entry(state: GatewayState, token_id: int, logprob: float | None) -> dict[str, Any]:
     text = state.tokenizer.token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -267,7 +318,10 @@ def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+            for e in entries
+        ],
         "text_offset": [],
     }
 

@@ -2,12 +2,15 @@
 
 Unknown fields are refused (a typo must not silently change decoding); the known ones are
 OpenAI's plus vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens). Ranges are checked again by SamplingParams.
+min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output). Ranges are
+checked again by SamplingParams. OpenAI fields that do not change what is generated here
+(IGNORED: storage, routing and reasoning hints) are accepted and named back in the
+x-cadenza-ignored-fields header, and logged.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -18,6 +21,14 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: the running usage in every chunk
+
+
+# Accepted, and without effect on what is generated: said so in a header, and logged.
+IGNORED = (
+    "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+    "reasoning_effort", "verbosity",
+)  # fmt: skip
 
 
 class ContentPart(msgspec.Struct):
@@ -51,10 +62,36 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
+    # IGNORED (any value; none changes what is generated)
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+    def ignored_fields(self) -> list[str]:
+        return [name for name in IGNORED if getattr(self, name) is not None]
+
+    def token_bias(self) -> dict[int, float]:
+        try:
+            return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
+            stop_token_ids=list(self.stop_token_ids or []),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.token_bias(),
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -90,10 +127,29 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[int]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    # echo: the prompt comes back before the completion, with its tokens' logprobs when
+    # logprobs is set (the first token's is null); with max_tokens 0 only the prompt comes
+    # back: how evaluation harnesses score a text.
+    echo: bool = False
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only else self.max_tokens  # echo_only: the one token is dropped
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        if self.echo and logprobs is not None:
+            params.prompt_logprobs = logprobs
+        return params
 
     @property
     def num_logprobs(self) -> int | None:

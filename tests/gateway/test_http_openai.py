@@ -67,6 +67,31 @@ def test_completions_models_logprobs_n_and_stop(client, smollm) -> None:
     assert "Paris" not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
+def test_echo_with_logprobs_returns_the_engines_prompt_logprobs(client, smollm) -> None:
+    """How evaluation harnesses score a text: echo, logprobs and max_tokens 0."""
+    prompt = "The capital of France is Paris."
+    ids = smollm.get_tokenizer().encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    engine = smollm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].prompt_logprobs
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert len(choice.logprobs.token_logprobs) == len(ids)
+    for position, (ours, token) in enumerate(zip(choice.logprobs.token_logprobs[1:], ids[1:]), start=1):
+        assert ours == pytest.approx(engine[position][token].logprob, abs=1e-4), position
+    more = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, temperature=0)
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert more.choices[0].text == prompt + alone.choices[0].text
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, echo=True, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == more.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
 def _post(server, path: str, body: bytes, key: str = API_KEY) -> tuple[int, dict]:  # noqa: ANN001
     return server.post(path, body, key)
 

@@ -1,0 +1,101 @@
+"""Request fields real clients send: vLLM's streamed usage and sampling extras, OpenAI's
+logit_bias, and OpenAI fields accepted without effect (named back in a header)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from conftest import PacedEngine, free_port, serve_in_thread
+
+from cadenza import LLM, SamplingParams
+from cadenza.gateway.app import build_app
+from cadenza.gateway.openai_schema import IGNORED, ChatCompletionRequest, CompletionRequest
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def paced() -> str:
+    port = free_port()
+    app = build_app(PacedEngine(pace=0.001), DEFAULT_MODEL, GatewaySettings(port=port))
+    with serve_in_thread(app, port):
+        yield f"http://127.0.0.1:{port}"
+
+
+def _post(url: str, body: dict) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_continuous_usage_stats_puts_the_running_usage_in_every_chunk(paced: str) -> None:
+    client = openai.OpenAI(base_url=paced + "/v1", api_key="none")
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=HI, max_tokens=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(chunks) == 5
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 4, 5]
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
+def test_openai_fields_without_effect_are_accepted_and_named_back(paced: str) -> None:
+    body = {"model": DEFAULT_MODEL, "messages": HI, "max_tokens": 2, "store": False, "metadata": {"k": "v"}}
+    body |= {"parallel_tool_calls": True, "service_tier": "auto", "user": "u1", "reasoning_effort": "low"}
+    status, headers, _ = _post(paced + "/v1/chat/completions", body)
+    assert status == 200
+    named = headers["x-cadenza-ignored-fields"].split(",")
+    assert named == ["store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort"]
+    status, headers, _ = _post(
+        paced + "/v1/chat/completions", {"model": DEFAULT_MODEL, "messages": HI, "max_tokens": 1}
+    )
+    assert status == 200 and "x-cadenza-ignored-fields" not in headers
+    assert set(IGNORED) <= set(ChatCompletionRequest.__struct_fields__) & set(CompletionRequest.__struct_fields__)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("logit_bias", {"abc": 1}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"5": 101}, "logit_bias values must be in"),
+        ("logit_bias", {"999999": 1}, "logit_bias token ids must be in"),
+        ("no_such_field", 1, "no_such_field"),
+    ],
+)
+def test_bad_values_are_a_400_naming_the_problem(paced: str, field: str, value: object, message: str) -> None:
+    status, _, body = _post(paced + "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi", field: value})
+    assert status == 400 and message in json.loads(body)["error"]["message"]
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny_model) -> None:
+    path, _ = tiny_model("llama_gqa_tied")
+    llm = LLM(str(path), num_blocks=64)
+    prompt = {"prompt_token_ids": [3, 14, 15, 92, 65]}
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0})
+    assert llm.generate(prompt, forced, use_tqdm=False)[0].outputs[0].token_ids == [7] * 6
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={t: -100.0 for t in plain})
+    assert not set(llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].token_ids) & set(plain)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0})
+    assert llm.generate(prompt, sampled, use_tqdm=False)[0].outputs[0].token_ids == [7] * 6
+
+
+def test_vllm_extras_reach_the_sampling_params() -> None:
+    import msgspec
+
+    body = {"prompt": "x", "stop_token_ids": [5], "skip_special_tokens": False, "include_stop_str_in_output": True}
+    request = msgspec.json.decode(json.dumps(body | {"logit_bias": {"4": -2.5}}), type=CompletionRequest)
+    params = request.sampling_params(8, None)
+    assert params.stop_token_ids == [5] and not params.skip_special_tokens and params.include_stop_str_in_output
+    assert params.logit_bias == {4: -2.5}
