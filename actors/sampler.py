@@ -78,8 +78,15 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device))
+    if p.allowed_token_ids is not None:
+        allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row[allowed].clone()
+        row.fill_(float("-inf"))
+        row[allowed] = kept
     if len(r.output_ids) < p.min_tokens and r.stop_ids:
         row[list(r.stop_ids)] = float("-inf")
+    if p.allowed_token_ids is not None and not bool(torch.isfinite(row).any()):
+        raise ValueError("no token can be sampled: min_tokens masks every one of allowed_token_ids")
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

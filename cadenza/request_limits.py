@@ -171,6 +171,8 @@ def _check_sampling(params: SamplingParams, limits: RequestLimits) -> None:
         value = getattr(params, name)
         if value is not None and value > cap:
             raise ValueError(f"{name} must be at most {cap} (max_logprobs), got {value}")
+    if any(not 0 <= t < limits.vocab_size for t in params.allowed_token_ids or []):
+        raise ValueError(f"allowed_token_ids must be in [0, {limits.vocab_size})")
     if any(not 0 <= t < limits.vocab_size for t in params.logit_bias):
         raise ValueError(f"logit_bias token ids must be in [0, {limits.vocab_size})")
     if len(params.logit_bias) > limits.vocab_size:

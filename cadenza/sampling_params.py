@@ -39,6 +39,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
     # sampling (-100 bans it, +100 all but forces it); applied with the penalties.
     logit_bias: dict[int, float] = {}
+    # vLLM's allowed_token_ids: when given, only these tokens can be sampled.
+    allowed_token_ids: list[int] | None = None
     # Speculative decoding: at most this many drafts per step for this request (0: none);
     # None takes the engine's speculative_config. Ignored when speculation is off.
     num_speculative_tokens: int | None = None
@@ -97,6 +99,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def _check_penalties(self) -> None:
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+        if any(not -_INT64_MAX <= t <= _INT64_MAX for t in self.allowed_token_ids or []):
+            raise ValueError("allowed_token_ids must be token ids (64-bit integers)")
         if any(not -_INT64_MAX <= t <= _INT64_MAX for t in self.logit_bias):
             raise ValueError("logit_bias keys must be token ids (64-bit integers)")
         if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in self.logit_bias.values()):
@@ -124,4 +130,4 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def edits_logits(self) -> bool:
         """Whether the sampler changes this request's logits before choosing (penalties, bias)."""
-        return self.needs_penalties or bool(self.logit_bias)
+        return self.needs_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None

@@ -91,11 +91,16 @@ class OpenAIHttp:
             if len(messages) > state.settings.max_messages:
                 message = f"{len(messages)} messages; at most {state.settings.max_messages} (max_messages)"
                 raise RequestError(message, "invalid_request", "messages")
-            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True), add_special_tokens=False)
+            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
+            if body.continue_final_message:
+                text = _continued(text, messages)
+            prompt_ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         elif isinstance(body.prompt, str):
             prompt_ids = tokenizer.encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
+        if body.truncate_prompt_tokens is not None:  # vLLM: the last k tokens (the recent context)
+            prompt_ids = prompt_ids[-body.truncate_prompt_tokens :]
         prompt = "messages" if chat else "prompt"
         # OpenAI's defaults when max_tokens is not given: the server's for chat, 16 for completions.
         default = state.settings.default_max_output_tokens if chat else 16
@@ -133,6 +138,17 @@ class ReleasingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.release()
+
+
+def _continued(text: str, messages: list[dict[str, str]]) -> str:
+    """The rendered conversation cut right after the final assistant message's content, so the
+    model continues that message rather than starting a new turn (vLLM's continue_final_message)."""
+    last = messages[-1]
+    end = text.rfind(last["content"]) if last["role"] == "assistant" and last["content"] else -1
+    if end < 0:
+        message = "continue_final_message needs a final assistant message with content"
+        raise RequestError(message, "invalid_request", "messages")
+    return text[: end + len(last["content"])]
 
 
 IGNORED_HEADER = "x-cadenza-ignored-fields"
@@ -242,11 +258,11 @@ class _Run:
         entries = []
         for token_id, position in zip(self.prompt_ids, positions):
             if position is None:
-                entries.append({**_token_entry(self.state, token_id, None), "top_logprobs": None})
+                entries.append({**self._entry(token_id, None), "top_logprobs": None})
                 continue
             ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
-            entry = _token_entry(self.state, token_id, position[token_id].logprob)
-            entry["top_logprobs"] = [_token_entry(self.state, t, lp.logprob) for t, lp in ranked]
+            entry = self._entry(token_id, position[token_id].logprob)
+            entry["top_logprobs"] = [self._entry(t, lp.logprob) for t, lp in ranked]
             entries.append(entry)
         return prompt, entries
 
@@ -296,6 +312,14 @@ class _Run:
         lp = _completion_logprobs(logprobs) if wants else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
+    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        """One token's logprob entry; vLLM's return_tokens_as_token_ids names it token_id:<id>."""
+        if self.body.return_tokens_as_token_ids:
+            text = f"token_id:{token_id}"
+        else:
+            text = self.state.tokenizer.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
     def _logprob_entries(self, out: Any) -> list[dict[str, Any]]:
         if not out.logprobs:
             return []
@@ -303,15 +327,10 @@ class _Run:
         for token_id, position in zip(out.token_ids, out.logprobs):
             # The chosen token plus the top-k, each once with its true rank: the k best by rank.
             ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
-            entry = _token_entry(self.state, token_id, position[token_id].logprob)
-            entry["top_logprobs"] = [_token_entry(self.state, t, lp.logprob) for t, lp in ranked]
+            entry = self._entry(token_id, position[token_id].logprob)
+            entry["top_logprobs"] = [self._entry(t, lp.logprob) for t, lp in ranked]
             entries.append(entry)
         return entries
-
-
-def _token_entry(state: GatewayState, token_id: int, logprob: float | None) -> dict[str, Any]:
-    text = state.tokenizer.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

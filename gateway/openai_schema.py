@@ -66,6 +66,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: PositiveInt | None = None  # keep the prompt's last k tokens
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     # IGNORED (any value; none changes what is generated)
     store: Any = None
     metadata: Any = None
@@ -92,6 +95,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -114,6 +118,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # vLLM's chat extras: how the template renders the conversation.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    add_special_tokens: bool = False  # the template already wrote BOS and the like
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
 
     @property
     def requested_max_tokens(self) -> int | None:

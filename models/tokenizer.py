@@ -65,15 +65,26 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
+        """variables: extra template variables (vLLM's chat_template_kwargs), e.g. a switch the
+        model's template reads; they cannot replace the ones set here."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(variables or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
         return render_chat(
             self.chat_template,
             messages,
             add_generation_prompt,
             bos_token=self._text(self.bos_token_id),
             eos_token=self._text(self._first_eos()),
+            **(variables or {}),
         )
 
     def _first_eos(self) -> int | None:

@@ -88,6 +88,11 @@ def test_echo_with_logprobs_returns_the_engines_prompt_logprobs(client, smollm) 
         model=MODEL, prompt=prompt, max_tokens=4, echo=True, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == more.choices[0].text
+    as_ids = {"return_tokens_as_token_ids": True}
+    named = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, logprobs=1, temperature=0, extra_body=as_ids
+    )
+    assert [t.removeprefix("token_id:").isdigit() for t in named.choices[0].logprobs.tokens] == [True, True]
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
 

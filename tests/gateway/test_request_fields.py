@@ -99,3 +99,45 @@ def test_vllm_extras_reach_the_sampling_params() -> None:
     params = request.sampling_params(8, None)
     assert params.stop_token_ids == [5] and not params.skip_special_tokens and params.include_stop_str_in_output
     assert params.logit_bias == {4: -2.5}
+
+
+def _prepared(body: dict, chat: bool) -> tuple[str, list[int], SamplingParams]:
+    """The prompt text, ids and sampling params the gateway builds for a request body."""
+    import msgspec
+
+    from cadenza.gateway.openai_http import OpenAIHttp
+
+    app = build_app(PacedEngine(pace=0.001), DEFAULT_MODEL, GatewaySettings())
+    state = app.state.gateway
+    kind = ChatCompletionRequest if chat else CompletionRequest
+    ids, params = OpenAIHttp(state)._prepare(msgspec.json.decode(json.dumps(body), type=kind), chat)
+    return state.tokenizer.decode(ids, skip_special_tokens=False), ids, params
+
+
+def test_vllm_chat_template_extras_shape_the_prompt() -> None:
+    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    text, _, _ = _prepared({"messages": turns, "add_generation_prompt": False, "continue_final_message": True}, True)
+    assert text.endswith("The colour is")  # continued, not closed with an end-of-turn
+    closed, _, _ = _prepared({"messages": turns, "add_generation_prompt": False}, True)
+    assert closed.rstrip().endswith("<|im_end|>")
+    opened, _, _ = _prepared({"messages": turns[:1]}, True)
+    assert opened.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set messages"):
+        _prepared({"messages": turns[:1], "chat_template_kwargs": {"messages": []}}, True)
+
+
+def test_truncate_prompt_tokens_and_allowed_token_ids() -> None:
+    _, whole, _ = _prepared({"prompt": "one two three four five six"}, False)
+    _, last, params = _prepared({"prompt": "one two three four five six", "truncate_prompt_tokens": 3}, False)
+    assert last == whole[-3:]
+    _, _, params = _prepared({"prompt": "x", "allowed_token_ids": [5, 9]}, False)
+    assert params.allowed_token_ids == [5, 9]
+
+
+def test_allowed_token_ids_limit_what_is_sampled(tiny_model) -> None:
+    path, _ = tiny_model("llama_gqa_tied")
+    llm = LLM(str(path), num_blocks=64)
+    prompt = {"prompt_token_ids": [3, 14, 15, 92, 65]}
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=8, allowed_token_ids=[4, 8])
+        assert set(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) <= {4, 8}
