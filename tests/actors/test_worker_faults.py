@@ -119,11 +119,23 @@ def test_poison_requests_fail_alone_beside_a_live_stream(
     asyncio.run(run())
 
 
+async def _collect_signalling(llm: AsyncLLM, ids: list[int], params: SamplingParams, started: asyncio.Event, **kw):  # noqa: ANN003, ANN202
+    """_collect that sets `started` at the first delta: abort then, not after a fixed sleep
+    (a fast machine finishes a 400-token request in well under a second)."""
+    tokens, last = [], None
+    async for delta in llm.generate({"prompt_token_ids": ids}, params, **kw):
+        tokens += delta.outputs[0].token_ids
+        last = delta
+        started.set()
+    return tokens, last
+
+
 def test_abort_takes_exactly_the_named_request(tiny_async: AsyncLLM) -> None:
     async def run() -> None:
-        x = asyncio.ensure_future(_collect(tiny_async, [5, 6], LONG, request_id="x"))
+        started = asyncio.Event()
+        x = asyncio.ensure_future(_collect_signalling(tiny_async, [5, 6], LONG, started, request_id="x"))
         x1 = asyncio.ensure_future(_collect(tiny_async, [5, 7], GREEDY, request_id="x-1"))
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(started.wait(), timeout=60)
         await tiny_async.abort("x")
         (_, last_x), (tokens_x1, last_x1) = await asyncio.wait_for(asyncio.gather(x, x1), timeout=60)
         assert last_x.outputs[0].finish_reason == "abort"
