@@ -44,6 +44,9 @@ def paged_decode_attention_ref(
     pad = positions[None, :] >= seq_lens[:, None]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Padded positions are slots nobody wrote (a block's tail, or blocks past a shorter row):
+    # their V is zeroed, not just weighted by 0, since 0 * NaN is NaN over an unwritten pool.
+    v = v.masked_fill(pad[:, None, :, None], 0.0)
     return torch.matmul(probs, v).view(batch, num_heads, head_dim)
 
 

@@ -110,13 +110,6 @@ def test_the_reference_prefill_reads_only_owned_slots() -> None:
     _assert_garbage_proof(*_run_both([(21, 21)], paged_attention_ref))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="paged_decode_attention_ref gathers whole blocks (the tail of each row's last block, and "
-    "up to the longest row's blocks) and multiplies their V by probability 0: 0 * NaN = NaN. Safe "
-    "only over a pool whose unwritten slots are finite, which allocate_kv_cache guarantees (zero "
-    "pages); garbage-proof only if the reference masks V itself.",
-)
 @pytest.mark.parametrize("reqs", [[(3, 1)], DECODES, MIXED], ids=["one-decode", "decodes", "mixed"])
 def test_the_torch_reference_decode_rows_over_garbage(reqs: list[tuple[int, int]]) -> None:
     _assert_garbage_proof(*_run_both(reqs, paged_attention_ref))
