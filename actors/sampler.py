@@ -113,11 +113,12 @@ def draw(weights: torch.Tensor, rows: list[SamplingRow], salt: str = "") -> torc
     A seeded row's noise comes from its CPU stream whatever the logits' device, so a seed
     gives the same tokens on a GPU as on the CPU; the others draw where the logits are.
     """
-    noise = torch.empty_like(weights).exponential_()
-    for i, r in enumerate(rows):
-        g = r.generator(salt)
-        if g is not None:
-            noise[i] = torch.empty(weights.shape[-1], dtype=weights.dtype).exponential_(generator=g)
+    noise = torch.empty_like(weights)
+    seeded = [(i, g) for i, r in enumerate(rows) if (g := r.generator(salt)) is not None]
+    if len(seeded) < len(rows):
+        noise.exponential_()  # the unseeded rows' (the seeded ones are overwritten below)
+    for i, g in seeded:
+        noise[i] = torch.empty(weights.shape[-1], dtype=weights.dtype).exponential_(generator=g)
     return (weights / noise).argmax(dim=-1)
 
 

@@ -45,7 +45,3 @@ def resolve_device(device: str, num_gpus: int, where: str = "this process") -> s
     if index >= num_gpus:
         raise ValueError(f"device={device!r} but {where} has {num_gpus} CUDA device(s)")
     return device
-
-
-def is_cuda(device: str) -> bool:
-    return device.startswith("cuda")

@@ -175,8 +175,6 @@ def _check_sampling(params: SamplingParams, limits: RequestLimits) -> None:
         raise ValueError(f"allowed_token_ids must be in [0, {limits.vocab_size})")
     if any(not 0 <= t < limits.vocab_size for t in params.logit_bias):
         raise ValueError(f"logit_bias token ids must be in [0, {limits.vocab_size})")
-    if len(params.logit_bias) > limits.vocab_size:
-        raise ValueError(f"logit_bias has more entries than the vocabulary ({limits.vocab_size})")
     if params.min_tokens >= limits.max_model_len:
         raise ValueError(f"min_tokens ({params.min_tokens}) must be below max_model_len={limits.max_model_len}")
 

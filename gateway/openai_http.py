@@ -260,10 +260,7 @@ class _Run:
             if position is None:
                 entries.append({**self._entry(token_id, None), "top_logprobs": None})
                 continue
-            ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
-            entry = self._entry(token_id, position[token_id].logprob)
-            entry["top_logprobs"] = [self._entry(t, lp.logprob) for t, lp in ranked]
-            entries.append(entry)
+            entries.append(self._position_entry(token_id, position))
         return prompt, entries
 
     async def sse(self) -> AsyncIterator[str]:
@@ -325,12 +322,16 @@ class _Run:
             return []
         entries = []
         for token_id, position in zip(out.token_ids, out.logprobs):
-            # The chosen token plus the top-k, each once with its true rank: the k best by rank.
-            ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
-            entry = self._entry(token_id, position[token_id].logprob)
-            entry["top_logprobs"] = [self._entry(t, lp.logprob) for t, lp in ranked]
-            entries.append(entry)
+            entries.append(self._position_entry(token_id, position))
         return entries
+
+    def _position_entry(self, token_id: int, position: Any) -> dict[str, Any]:
+        """The token at one position with its top_logprobs: the chosen token plus the top-k,
+        each once with its true rank, so the k best by rank."""
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
+        entry = self._entry(token_id, position[token_id].logprob)
+        entry["top_logprobs"] = [self._entry(t, lp.logprob) for t, lp in ranked]
+        return entry
 
 
 def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

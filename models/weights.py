@@ -18,7 +18,7 @@ from torch import nn
 from cadenza.kernels.quant.weight import PackedWeight, cat_rows
 from cadenza.models.config import ModelConfig
 from cadenza.models.llama import Linear, LlamaForCausalLM
-from cadenza.models.rank_slice import RankSlicer
+from cadenza.models.rank_slice import EMBED, RankSlicer
 from cadenza.models.rope import cos_sin_cache
 from cadenza.models.shard import shard_model, stage_layers
 from cadenza.models.tp import TPGroup
@@ -27,7 +27,6 @@ from cadenza.weight_format import WeightFormat
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = ("rotary_emb.inv_freq",)
 Loaded = torch.Tensor | PackedWeight
-EMBED = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True, slots=True)
