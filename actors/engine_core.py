@@ -81,7 +81,9 @@ class EngineCore:
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.config.eos_token_ids
         core = cls(config, loaded.config, loaded.max_model_len, eos)
         proposer = build_proposer(config, loaded.config, loaded.max_model_len, core.num_blocks)
-        core.runner = ModelRunner(loaded.model, core.num_blocks, config.block_size, eos, proposer=proposer)
+        core.runner = ModelRunner(
+            loaded.model, core.num_blocks, config.block_size, eos, proposer=proposer, tokenizer=loaded.tokenizer
+        )
         return core
 
     def add_request(self, req: EngineRequest) -> None:

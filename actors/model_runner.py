@@ -7,10 +7,12 @@ import math
 import mmap
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from cadenza.actors.grammar_matchers import GrammarError, GrammarMatchers, GrammarQuery
 from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
 from cadenza.actors.spec_proposal import ProposalInput, Proposer
@@ -18,7 +20,10 @@ from cadenza.actors.varlen_batch import Chunk, build_batch
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.messages import HiddenStates, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.tokenizer import Tokenizer
 from cadenza.sampling_params import SamplingParams
+
+GrammarMasks = dict[str, list[torch.Tensor] | GrammarError]
 
 
 @dataclass(slots=True)
@@ -32,6 +37,10 @@ class RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_known(self) -> int:
@@ -119,6 +128,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         is_driver: bool = True,
         proposer: Proposer | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -129,6 +139,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer = proposer  # speculative decoding, on the driver only
+        # Structured outputs: the driver samples, so it alone follows the grammars.
+        self.grammar = GrammarMatchers(tokenizer, eos_token_ids) if is_driver else None
+        self._masks: Future | GrammarMasks = {}
         self._forwarded = 0.0
 
     def execute(self, so: SchedulerOutput, previous: HiddenStates | None = None) -> ModelRunnerOutput | HiddenStates:
@@ -137,8 +150,12 @@ class ModelRunner:
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput.empty()
         batch = self._prepare(so.num_scheduled_tokens)
-        with torch.inference_mode():
-            result = self._forward(batch, previous)
+        self._masks = self._start_masks(batch)  # computed while the forward pass runs
+        try:
+            with torch.inference_mode():
+                result = self._forward(batch, previous)
+        finally:
+            self._grammar_masks()  # joined even on failure: the matchers are not thread-safe
         if self.proposer is not None and isinstance(result, ModelRunnerOutput):
             result.draft_token_ids = self.proposer.propose(self._proposal_inputs(batch, result, so.num_spec_tokens))
         for rid, n in so.num_scheduled_tokens.items():
@@ -164,13 +181,31 @@ class ModelRunner:
         out.prompt_logprobs = self._prompt_logprobs(hidden, batch, out.failed)
         return out
 
+    def _start_masks(self, batch: Batch) -> Future | GrammarMasks:
+        if self.grammar is None:
+            return {}
+        queries = [GrammarQuery(r.req_id, r.params, r.output_ids, r.spec_token_ids) for r in batch.sampling]
+        return self.grammar.start(queries)
+
+    def _grammar_masks(self) -> GrammarMasks:
+        if isinstance(self._masks, Future):
+            self._masks = self._masks.result()
+        return self._masks
+
+    def _drop(self, rid: str) -> None:
+        if self.proposer is not None:
+            self.proposer.drop(rid)
+        if self.grammar is not None:
+            self.grammar.drop(rid)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
-            if self.proposer is not None:
-                self.proposer.drop(rid)
+            self._drop(rid)
         for new in so.new_requests:
             self.requests[new.req_id] = RunnerRequest.from_new(new)
+            if self.grammar is not None:
+                self.grammar.drop(new.req_id)  # resumed after preemption: follow it afresh
             if self.proposer is not None:
                 self.proposer.start(new.req_id, new.num_computed_tokens)
         for delta in so.cached_requests:
@@ -204,18 +239,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         if not self.is_driver:  # the gather above is collective; sampling is the driver's alone
             return ModelRunnerOutput.empty()
+        out = ModelRunnerOutput.empty()
+        masks = self._grammar_masks()
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
         for req in batch.sampling:
             n = len(req.spec_token_ids) + 1
-            if req.spec_token_ids:
+            error = masks.get(req.req_id)
+            if isinstance(error, GrammarError):  # this request's grammar failed: it alone ends
+                out.failed[req.req_id] = f"structured output failed: {error}"
+            elif req.spec_token_ids:
                 spec.append(req)
                 spec_rows += range(row, row + n)
             else:
                 plain.append(req)
                 plain_rows.append(row)
             row += n
-        out = ModelRunnerOutput.empty()
         if plain:
             self._sample_plain(out, logits, plain, plain_rows)
         if spec:
@@ -228,7 +267,7 @@ class ModelRunner:
 
     def _sample_plain(self, out: ModelRunnerOutput, logits: torch.Tensor, reqs: list, rows: list[int]) -> None:
         try:
-            tokens, logprobs = sample(logits[rows], [self._row(r) for r in reqs])
+            tokens, logprobs = sample(logits[rows], [self._row(r, mask=self._mask(r, 0)) for r in reqs])
         except Exception as e:
             self._one_by_one(out, e, reqs, rows, lambda r, row: self._sample_plain(out, logits, [r], [row]))
             return
@@ -236,7 +275,9 @@ class ModelRunner:
 
     def _verify(self, out: ModelRunnerOutput, logits: torch.Tensor, reqs: list, rows: list[int]) -> None:
         try:
-            spec_rows = [SpecRow(self._row(r), r.spec_token_ids, self._draft_probs(r.req_id)) for r in reqs]
+            spec_rows = [
+                SpecRow(self._row(r), r.spec_token_ids, self._draft_probs(r.req_id), self._masks_of(r)) for r in reqs
+            ]
             result = verify(logits[rows], spec_rows)
         except Exception as e:
             per_req, at = [], 0
@@ -258,9 +299,20 @@ class ModelRunner:
     def _draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.proposer.draft_probs(req_id) if self.proposer is not None else None
 
-    def _row(self, req: RunnerRequest, new_tokens: list[int] | None = None) -> SamplingRow:
-        outputs = req.token_ids[req.num_prompt_tokens :] + (new_tokens or [])
-        return SamplingRow(req.params, req.token_ids[: req.num_prompt_tokens], outputs, self._stop_ids(req.params))
+    def _masks_of(self, req: RunnerRequest) -> list[torch.Tensor] | None:
+        masks = self._grammar_masks().get(req.req_id)
+        return masks if isinstance(masks, list) else None
+
+    def _mask(self, req: RunnerRequest, position: int) -> torch.Tensor | None:
+        masks = self._masks_of(req)
+        return masks[position] if masks is not None else None
+
+    def _row(
+        self, req: RunnerRequest, new_tokens: list[int] | None = None, mask: torch.Tensor | None = None
+    ) -> SamplingRow:
+        outputs = req.output_ids + (new_tokens or [])
+        prompt = req.token_ids[: req.num_prompt_tokens]
+        return SamplingRow(req.params, prompt, outputs, self._stop_ids(req.params), mask)
 
     @staticmethod
     def _record(

@@ -25,18 +25,24 @@ class SpecRow:
     base: SamplingRow
     draft_ids: list[int]
     draft_probs: torch.Tensor | None  # [k, V] normalised q per draft; None: deterministic proposal
+    # The grammar's mask at each of the k + 1 positions (a draft the grammar refuses has
+    # probability 0 under its mask, so it is rejected); None: unconstrained.
+    grammar_masks: list[torch.Tensor] | None = None
+
+    def mask_at(self, j: int) -> torch.Tensor | None:
+        return self.grammar_masks[j] if self.grammar_masks is not None else None
 
 
-def at_position(base: SamplingRow, drafts: list[int]) -> SamplingRow:
+def at_position(base: SamplingRow, drafts: list[int], grammar_mask: torch.Tensor | None = None) -> SamplingRow:
     """The sampling state after `drafts` were accepted: penalties, min_tokens and the seeded
     stream all see the drafts as outputs."""
-    return SamplingRow(base.params, base.prompt_ids, base.output_ids + drafts, base.stop_ids)
+    return SamplingRow(base.params, base.prompt_ids, base.output_ids + drafts, base.stop_ids, grammar_mask)
 
 
 def verify(logits: torch.Tensor, rows: list[SpecRow]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
     """logits [sum(k_i + 1), V] fp32, request i's k_i + 1 rows in order -> per request the
     emitted tokens (accepted drafts, then one corrected or bonus token) and their logprobs."""
-    positions = [at_position(r.base, r.draft_ids[:j]) for r in rows for j in range(len(r.draft_ids) + 1)]
+    positions = [at_position(r.base, r.draft_ids[:j], r.mask_at(j)) for r in rows for j in range(len(r.draft_ids) + 1)]
     drafts = torch.tensor([d for r in rows for d in [*r.draft_ids, -1]], device=logits.device)
     processed = apply_penalties_and_masks(logits, positions)
     candidate = processed.argmax(dim=-1)

@@ -24,6 +24,9 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     stop_ids: tuple[int, ...]  # EOS and stop_token_ids, masked while below min_tokens
+    # The grammar's allowed tokens at this position (bool [V']; V' may fall short of the
+    # logits' padded vocabulary, whose tail is then banned); None: unconstrained.
+    grammar_mask: torch.Tensor | None = None
 
     def generator(self, salt: str = "") -> torch.Generator | None:
         """Seeded requests draw from a stream keyed by (seed, position): the same tokens alone,
@@ -54,13 +57,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    touched = [i for i, r in enumerate(rows) if r.params.edits_logits or len(r.output_ids) < r.params.min_tokens]
+    touched = [i for i, r in enumerate(rows) if _edits(r)]
     if not touched:
         return logits
     logits = logits.clone()
     for i in touched:
         _penalise_row(logits[i], rows[i])
     return logits
+
+
+def _edits(r: SamplingRow) -> bool:
+    return r.params.edits_logits or len(r.output_ids) < r.params.min_tokens or r.grammar_mask is not None
 
 
 def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
@@ -83,10 +90,18 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
         kept = row[allowed].clone()
         row.fill_(float("-inf"))
         row[allowed] = kept
+    if r.grammar_mask is not None:
+        _apply_grammar(row, r.grammar_mask)
     if len(r.output_ids) < p.min_tokens and r.stop_ids:
         row[list(r.stop_ids)] = float("-inf")
-    if p.allowed_token_ids is not None and not bool(torch.isfinite(row).any()):
-        raise ValueError("no token can be sampled: min_tokens masks every one of allowed_token_ids")
+    if (p.allowed_token_ids is not None or r.grammar_mask is not None) and not bool(torch.isfinite(row).any()):
+        raise ValueError("no token can be sampled: min_tokens, allowed_token_ids and the grammar leave none")
+
+
+def _apply_grammar(row: torch.Tensor, allowed: torch.Tensor) -> None:
+    n = min(allowed.shape[0], row.shape[0])
+    row[:n].masked_fill_(~allowed[:n].to(row.device), float("-inf"))
+    row[n:] = float("-inf")
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -81,7 +81,9 @@ class Worker:
         # The driver samples, so it verifies drafts and proposes the next ones (a draft model
         # runs whole beside the target's last stage, sharing its block tables).
         proposer = build_proposer(cfg, loaded.config, loaded.max_model_len, spec.num_blocks) if is_driver else None
-        self.runner = ModelRunner(model, spec.num_blocks, cfg.block_size, eos, is_driver=is_driver, proposer=proposer)
+        self.runner = ModelRunner(
+            model, spec.num_blocks, cfg.block_size, eos, is_driver, proposer, tokenizer=loaded.tokenizer
+        )
         return os.getpid()
 
     def _join_group(self, dist_url: str) -> TPGroup:

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from cadenza.structured_outputs import StructuredOutputs
+
 # top_k values meaning "no top-k filter" (vLLM accepted -1 before it settled on 0).
 _TOP_K_OFF = (0, -1)
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by ~0 overflows to
@@ -44,6 +46,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Speculative decoding: at most this many drafts per step for this request (0: none);
     # None takes the engine's speculative_config. Ignored when speculation is off.
     num_speculative_tokens: int | None = None
+    # The output must match this grammar (JSON schema, regex, choice, Lark/GBNF): the sampler
+    # masks every token the grammar cannot take next.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -20,10 +20,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from cadenza.errors import EngineDeadError, RequestFailedError
+from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from cadenza.gateway.response_format import combined, requested_grammar
 from cadenza.gateway.state import GatewayState, RequestError, new_id, tenant_salt
 from cadenza.gateway.stream_tally import StreamTally
 from cadenza.outputs import RequestOutput
@@ -59,11 +61,12 @@ class OpenAIHttp:
             code, message = admission.refusal(client)
             return error_response(429, message, code, **{"Retry-After": retry})
         try:  # templates and tokenizers are CPU work: off the event loop every socket shares
-            prompt_ids, params = await asyncio.to_thread(self._prepare, body, chat)
+            prompt_ids, params, tools = await asyncio.to_thread(self._prepare, body, chat)
         except Exception as e:
             admission.release(client)
             return _refusal(e)
         run = _Run(self.state, body, chat, prompt_ids, params)
+        run.tools = tools
         run.client = client
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
         operation = "chat" if chat else "text_completion"
@@ -80,21 +83,13 @@ class OpenAIHttp:
         finally:
             run.release()
 
-    def _prepare(self, body: Body, chat: bool) -> tuple[list[int], Any]:
+    def _prepare(self, body: Body, chat: bool) -> tuple[list[int], Any, tool_choice.ToolPlan | None]:
         state = self.state
         state.check_model(body.model)
         tokenizer = state.tokenizer
+        tools = None
         if chat:
-            messages = [_chat_message(m) for m in body.messages]
-            if not messages:
-                raise RequestError("messages must not be empty", "invalid_request", "messages")
-            if len(messages) > state.settings.max_messages:
-                message = f"{len(messages)} messages; at most {state.settings.max_messages} (max_messages)"
-                raise RequestError(message, "invalid_request", "messages")
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, body.chat_template_kwargs)
-            if body.continue_final_message:
-                text = _continued(text, messages)
-            prompt_ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+            prompt_ids, tools = self._chat_prompt(body)
         elif isinstance(body.prompt, str):
             prompt_ids = tokenizer.encode(body.prompt)
         else:
@@ -105,9 +100,30 @@ class OpenAIHttp:
         # OpenAI's defaults when max_tokens is not given: the server's for chat, 16 for completions.
         default = state.settings.default_max_output_tokens if chat else 16
         max_tokens = state.max_tokens(len(prompt_ids), body.requested_max_tokens, default, (prompt, "max_tokens"))
-        params = body.sampling_params(max_tokens, body.num_logprobs)
+        params = body.sampling_params(max_tokens, body.num_logprobs, _grammar(body, tools))
+        if tools is not None and tools.mode == "auto" and tools.parser != "hermes":
+            params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens
         state.check(params, prompt_ids, prompt)  # an empty prompt included
-        return prompt_ids, params
+        return prompt_ids, params, tools
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], tool_choice.ToolPlan | None]:
+        state, tokenizer = self.state, self.state.tokenizer
+        if not body.messages:
+            raise RequestError("messages must not be empty", "invalid_request", "messages")
+        if len(body.messages) > state.settings.max_messages:
+            message = f"{len(body.messages)} messages; at most {state.settings.max_messages} (max_messages)"
+            raise RequestError(message, "invalid_request", "messages")
+        tools, shown = tool_choice.plan(body, state.tool_parser)
+        messages, variables = tool_choice.messages(body, shown, tokenizer.chat_template)
+        variables = {**variables, **(body.chat_template_kwargs or {})}
+        text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, variables)
+        if body.continue_final_message:
+            text = _continued(text, messages)
+        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens), tools
+
+
+def _grammar(body: Body, tools: tool_choice.ToolPlan | None) -> Any:
+    return combined(requested_grammar(body), tool_choice.grammar(tools, body))
 
 
 def _refusal(error: Exception) -> Response:
@@ -163,18 +179,6 @@ def _ignored_header(body: Body) -> dict[str, str]:
     return {IGNORED_HEADER: ",".join(ignored)}
 
 
-def _chat_message(m: Any) -> dict[str, str]:
-    if m.role not in ("system", "user", "assistant", "developer"):
-        raise RequestError(f"unsupported message role {m.role!r}", "invalid_request", "messages")
-    if isinstance(m.content, list):
-        if any(p.type != "text" for p in m.content):
-            raise RequestError("only text content parts are supported", "invalid_request", "messages")
-        content = "".join(p.text or "" for p in m.content)
-    else:
-        content = m.content or ""
-    return {"role": "system" if m.role == "developer" else m.role, "content": content}
-
-
 class _Run:
     """One HTTP request's trip through the engine, as SSE chunks or one JSON body."""
 
@@ -191,6 +195,7 @@ class _Run:
         # Completions' echo: the prompt (and its logprobs) go first; echo_only drops the output.
         self.echo = not chat and body.echo
         self.echo_only = self.echo and body.echo_only
+        self.tools: tool_choice.ToolPlan | None = None  # set by the route: calls read from the reply
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
         stream = self.state.generate(self.prompt_ids, self.params, self.id, self.body.stream, self.cache_salt)
@@ -273,6 +278,7 @@ class _Run:
                     opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                     yield _sse(self._envelope([{**opening, "logprobs": None}], chunk=True))
             echo = self.echo
+            tool_streams: dict[int, tool_choice.ToolDeltas] = {}
             async for delta in self._deltas():
                 out = delta.outputs[0]
                 if echo:  # the prompt first, once, in a chunk of its own
@@ -281,6 +287,10 @@ class _Run:
                     reason = "length" if self.echo_only else None
                     yield _sse(self._envelope([self._choice(0, text, entries, reason, final=False)], chunk=True))
                 if self.echo_only or not (out.text or out.finish_reason):
+                    continue
+                if self.tools is not None:
+                    for chunk in self._tool_chunks(out, tool_streams):
+                        yield _sse(self._envelope([chunk], usage=self.usage() if running else None, chunk=True))
                     continue
                 choice = self._choice(out.index, out.text, self._logprob_entries(out), out.finish_reason, final=False)
                 yield _sse(self._envelope([choice], usage=self.usage() if running else None, chunk=True))
@@ -298,14 +308,41 @@ class _Run:
             body["usage"] = usage
         return body
 
+    def _tool_chunks(self, out: Any, streams: dict[int, tool_choice.ToolDeltas]) -> list[dict[str, Any]]:
+        """A streamed choice's chunks under tools: content and tool_calls deltas, then the end."""
+        deltas = streams.setdefault(out.index, tool_choice.ToolDeltas(self.tools))
+        parts = deltas.feed(out.text) + (deltas.finish() if out.finish_reason else [])
+        chunks = [{"index": out.index, "delta": part, "logprobs": None, "finish_reason": None} for part in parts]
+        if out.finish_reason:
+            finish = self._finish(out.finish_reason, deltas.called)
+            chunks.append({"index": out.index, "delta": {}, "logprobs": None, "finish_reason": finish})
+        return chunks
+
+    def _finish(self, reason: str | None, called: bool = False) -> str | None:
+        """OpenAI's finish_reason: tool_calls when the model chose to call (a forced named
+        function ends with stop, as OpenAI's does)."""
+        if reason == "length" or not reason:
+            return reason
+        return "tool_calls" if called and self.tools is not None and self.tools.mode != "named" else "stop"
+
+    def _message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, self._finish(reason)
+        content, calls = self.tools.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, self._finish(reason)
+        message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
+        return message, self._finish(reason, called=True)
+
     def _choice(self, index: int, text: str, logprobs: list, reason: str | None, final: bool) -> dict[str, Any]:
-        finish = "length" if reason == "length" else ("stop" if reason else None)
+        finish = self._finish(reason)
         wants = self.params.logprobs is not None
         if self.chat:
             lp = {"content": logprobs} if wants else None
-            key = "message" if final else "delta"
-            content = {"role": "assistant", "content": text} if final else {"content": text}
-            return {"index": index, key: content, "logprobs": lp, "finish_reason": finish}
+            if final:
+                message, finish = self._message(text, reason)
+                return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
+            return {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": finish}
         lp = _completion_logprobs(logprobs) if wants else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 

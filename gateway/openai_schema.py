@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import msgspec
 
 from cadenza.sampling_params import SamplingParams
+from cadenza.structured_outputs import StructuredOutputs
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -26,9 +27,54 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 # Accepted, and without effect on what is generated: said so in a header, and logged.
 IGNORED = (
-    "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
-    "reasoning_effort", "verbosity",
+    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "reasoning_effort", "verbosity",
 )  # fmt: skip
+# Chat only: audio and web search this server cannot do, OpenAI's moderation and prompt-cache
+# hints, and Predicted Outputs (prediction).
+CHAT_IGNORED = (
+    "audio", "modalities", "moderation", "prediction", "prompt_cache_options", "prompt_cache_retention",
+    "web_search_options",
+)  # fmt: skip
+# Completions only: best_of (more candidates than n, vLLM V1 dropped it too) and suffix
+# (fill-in-the-middle, which needs a model trained for it).
+COMPLETION_IGNORED = ("best_of", "suffix")
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str = "response"
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's response_format: text, json_object, or json_schema with its schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct):
+    type: str
+    function: FunctionDef
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallItem(msgspec.Struct):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
 
 
 class ContentPart(msgspec.Struct):
@@ -40,6 +86,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,18 +117,28 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: PositiveInt | None = None  # keep the prompt's last k tokens
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    # Structured outputs: vLLM's field, and its older guided_* names (one source at most).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (chat; vLLM takes it on completions too)
     # IGNORED (any value; none changes what is generated)
     store: Any = None
     metadata: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
 
     def ignored_fields(self) -> list[str]:
-        return [name for name in IGNORED if getattr(self, name) is not None]
+        return [name for name in (*IGNORED, *self.ignored_here()) if getattr(self, name) is not None]
+
+    @staticmethod
+    def ignored_here() -> tuple[str, ...]:
+        return ()
 
     def token_bias(self) -> dict[int, float]:
         try:
@@ -88,9 +146,12 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         except ValueError:
             raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, grammar: StructuredOutputs | None = None
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
+            structured_outputs=grammar,
             stop_token_ids=list(self.stop_token_ids or []),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -123,10 +184,38 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
     add_special_tokens: bool = False  # the template already wrote BOS and the like
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = None  # OpenAI's deprecated forms of tools and tool_choice
+    function_call: str | dict[str, Any] | None = None
+    # CHAT_IGNORED (any value)
+    audio: Any = None
+    modalities: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    web_search_options: Any = None
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt: false")
+
+    @staticmethod
+    def ignored_here() -> tuple[str, ...]:
+        return CHAT_IGNORED
+
+    @property
+    def all_tools(self) -> list[Tool]:
+        return list(self.tools or []) + [Tool("function", f) for f in self.functions or []]
+
+    @property
+    def requested_tool_choice(self) -> str | dict[str, Any] | None:
+        if self.tool_choice is not None or self.function_call is None:
+            return self.tool_choice
+        call = self.function_call  # the deprecated form: "none", "auto" or {"name": ...}
+        return {"type": "function", "function": call} if isinstance(call, dict) else call
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -145,10 +234,17 @@ class CompletionRequest(_Sampling, kw_only=True):
     # back: how evaluation harnesses score a text.
     echo: bool = False
     max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # COMPLETION_IGNORED (any value)
+    best_of: Any = None
+    suffix: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+
+    @staticmethod
+    def ignored_here() -> tuple[str, ...]:
+        return COMPLETION_IGNORED
 
     @property
     def echo_only(self) -> bool:
@@ -158,8 +254,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     def requested_max_tokens(self) -> int | None:
         return 1 if self.echo_only else self.max_tokens  # echo_only: the one token is dropped
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs)
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, grammar: StructuredOutputs | None = None
+    ) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, grammar)
         if self.echo and logprobs is not None:
             params.prompt_logprobs = logprobs
         return params

@@ -3,7 +3,8 @@ and builders for the server events we send, shaped as the `openai` package's mod
 
 Client events: `response.create` (the POST /v1/responses fields at top level, plus the
 lane `stream_id`), `response.steer`, and Cadenza's `response.cancel`. Fields we do not
-use (tools, metadata, ...) are ignored, as the REST API ignores what a model cannot do.
+use (metadata, reasoning, ...) are ignored, as the REST API ignores what a model cannot do.
+Function tools and text.format work as in chat completions (gateway/tool_choice.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ class ContentPart(msgspec.Struct):
 
 
 class InputMessage(msgspec.Struct):
-    role: str
-    content: str | list[ContentPart]
+    """An input item: a message, or a function call and its output (tool turns)."""
+
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
     type: str = "message"
+    call_id: str | None = None  # function_call / function_call_output
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
 
 Input = str | list[InputMessage]
@@ -44,6 +51,10 @@ class ResponseCreate(msgspec.Struct, tag="response.create", tag_field="type"):
     previous_response_id: str | None = None
     stream_id: str | None = None
     cache_salt: str | None = None  # vLLM's: mixed into the prefix-cache hashes with the tenant's key
+    text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}}
+    tools: list[dict[str, Any]] | None = None  # {"type": "function", "name", "parameters", ...}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ResponseSteer(msgspec.Struct, tag="response.steer", tag_field="type"):
@@ -80,25 +91,54 @@ def input_count(value: Input | None) -> int:
     return 1 if isinstance(value, str) else len(value)
 
 
-def input_messages(value: Input | None) -> list[dict[str, str]]:
-    """Client input as chat messages: a string is one user message; parts are joined."""
+def input_messages(value: Input | None) -> list[Json]:
+    """Client input as chat messages: a string is one user message; parts are joined; a
+    function_call item is an assistant turn's tool call (consecutive ones share the turn), a
+    function_call_output a tool turn, as chat completions has them."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    messages = []
+    messages: list[Json] = []
     for m in value:
-        if m.role not in ("user", "assistant", "system", "developer"):
-            raise ValueError(f"unsupported input role {m.role!r}")
-        if isinstance(m.content, str):
-            text = m.content
+        if m.type == "function_call":
+            _add_call(messages, m)
+        elif m.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": m.call_id, "content": m.output or ""})
         else:
-            bad = [p.type for p in m.content if p.type not in ("input_text", "output_text", "text")]
-            if bad:
-                raise ValueError(f"unsupported content part type {bad[0]!r}: this server takes text only")
-            text = "".join(p.text or "" for p in m.content)
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+            messages.append(_message(m))
     return messages
+
+
+def _message(m: InputMessage) -> Json:
+    if m.role not in ("user", "assistant", "system", "developer"):
+        raise ValueError(f"unsupported input role {m.role!r}")
+    if isinstance(m.content, str) or m.content is None:
+        text = m.content or ""
+    else:
+        bad = [p.type for p in m.content if p.type not in ("input_text", "output_text", "text")]
+        if bad:
+            raise ValueError(f"unsupported content part type {bad[0]!r}: this server takes text only")
+        text = "".join(p.text or "" for p in m.content)
+    return {"role": "system" if m.role == "developer" else m.role, "content": text}
+
+
+def _add_call(messages: list[Json], m: InputMessage) -> None:
+    if not m.name:
+        raise ValueError("a function_call input item needs a name")
+    call = {"id": m.call_id, "type": "function", "function": {"name": m.name, "arguments": m.arguments or "{}"}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+        last["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Json:
+    return {
+        "id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+        "status": status,
+    }  # fmt: skip
 
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
@@ -130,9 +170,10 @@ def response_object(
         "model": model,
         "status": status,
         "output": output,
-        "parallel_tool_calls": False,
-        "tool_choice": "none",
-        "tools": [],
+        "parallel_tool_calls": create.parallel_tool_calls is not False and bool(create.tools),
+        "tool_choice": create.tool_choice or ("auto" if create.tools else "none"),
+        "tools": create.tools or [],
+        "text": create.text or {"format": {"type": "text"}},
         "instructions": create.instructions,
         "previous_response_id": create.previous_response_id,
         "max_output_tokens": create.max_output_tokens,

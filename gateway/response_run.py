@@ -16,6 +16,8 @@ from cadenza.gateway import protocol as p
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.state import PreparedResponse, new_id, tenant_salt
 from cadenza.gateway.stream_tally import StreamTally
+from cadenza.gateway.tool_calls import ToolCall
+from cadenza.gateway.tool_choice import ToolDeltas
 from cadenza.request_limits import presented_key
 
 if TYPE_CHECKING:  # the socket owns its runs; only the types cross back
@@ -35,6 +37,12 @@ class ResponseRun:
         state = socket.state
         self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", socket.ws.headers, prepared.params))
         self.tally.observation.span.messages(prepared.messages)
+        # Tools: under auto the reply's content streams and its calls are read as it goes;
+        # a grammar-made reply (required, a named function) is all calls, read at the end.
+        tools = prepared.tools
+        self.tool_stream = ToolDeltas(tools) if tools is not None and tools.mode == "auto" else None
+        self.content = ""  # what was streamed as text (the reply less its calls, under tools)
+        self.calls: list[ToolCall] = []
 
     def response(self, status: str, output: list[p.Json], **fields: Any) -> p.Json:
         r = p.response_object(
@@ -77,7 +85,8 @@ class ResponseRun:
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
                 out = self.tally.add(delta)
-                if out.text or out.token_ids:
+                text = self._visible(out.text, bool(out.finish_reason))
+                if text or out.token_ids:
                     extras: p.Json = {"token_ids": out.token_ids}
                     if state.speculative:  # how many of these tokens were drafts the model accepted
                         extras["accepted_tokens"] = out.num_accepted_tokens
@@ -87,24 +96,42 @@ class ResponseRun:
                         {
                             "type": "response.output_text.delta",
                             **item,
-                            "delta": out.text,
+                            "delta": text,
                             "logprobs": [],
                             p.EXTRA_KEY: extras,
                         }
                     )
         return self.tally.reasons.get(0, "stop")  # one sequence: the websocket has no n
 
+    def _visible(self, text: str, last: bool) -> str:
+        """The part of a delta that is content (all of it without tools)."""
+        tools = self.prepared.tools
+        if tools is None:
+            self.content += text
+            return text
+        if self.tool_stream is None:  # grammar-made: nothing streams as text
+            if last:
+                self.calls = tools.parse(self.tally.text)[1]
+            return ""
+        parts = self.tool_stream.feed(text) + (self.tool_stream.finish() if last else [])
+        shown = "".join(d.get("content") or "" for d in parts)
+        self.calls = self.tool_stream.parser.calls if self.tool_stream.parser else []
+        self.content += shown
+        return shown
+
     async def finish(self, finish: str, item: p.Json) -> None:
         """Terminal events; runs also after a cancel or steer (the socket may still be open)."""
-        complete, text = finish == "stop", self.tally.text
+        complete, text = finish == "stop", self.content
         await self.emit({"type": "response.output_text.done", **item, "text": text, "logprobs": []})
         await self.emit({"type": "response.content_part.done", **item, "part": p.text_part(text)})
         item_status = "completed" if complete else "incomplete"
         message = p.message_item(self.item_id, text, item_status)
         await self.emit({"type": "response.output_item.done", "output_index": 0, "item": message})
-        self.socket.state.store.put(
-            self.prepared.response_id, self.prepared.messages + [{"role": "assistant", "content": text}]
-        )
+        calls = await self.emit_calls(item_status)
+        turn: p.Json = {"role": "assistant", "content": text}
+        if self.calls:
+            turn["tool_calls"] = [c.to_openai() for c in self.calls]
+        self.socket.state.store.put(self.prepared.response_id, self.prepared.messages + [turn])
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
         status = "completed" if complete else ("cancelled" if finish == "cancelled" else "incomplete")
         fields = {
@@ -114,7 +141,22 @@ class ResponseRun:
             p.EXTRA_KEY: self.timings(),
         }
         kind = "response.completed" if complete else "response.incomplete"
-        await self.emit({"type": kind, "response": self.response(status, [message], **fields)})
+        await self.emit({"type": kind, "response": self.response(status, [message, *calls], **fields)})
+
+    async def emit_calls(self, status: str) -> list[p.Json]:
+        """Each function call as an output item after the message, with its argument events."""
+        items = []
+        for index, call in enumerate(self.calls, start=1):
+            item_id = new_id("fc")
+            ref = {"output_index": index, "item_id": item_id}
+            opened = p.function_call_item(item_id, call.id, call.name, "", "in_progress")
+            await self.emit({"type": "response.output_item.added", "output_index": index, "item": opened})
+            await self.emit({"type": "response.function_call_arguments.delta", **ref, "delta": call.arguments})
+            await self.emit({"type": "response.function_call_arguments.done", **ref, "arguments": call.arguments})
+            done = p.function_call_item(item_id, call.id, call.name, call.arguments, status)
+            await self.emit({"type": "response.output_item.done", "output_index": index, "item": done})
+            items.append(done)
+        return items
 
     async def fail(self, e: Exception) -> None:
         """The engine's own failures are shown as they are; anything else is logged, not shown."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
-Message = dict[str, str]  # {"role": ..., "content": ...}
+Message = dict[str, Any]  # {"role": ..., "content": ...}, and tool_calls / tool_call_id on tool turns
 
 
 @dataclass(slots=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+from cadenza.gateway.tool_calls import PARSERS
+
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
@@ -50,6 +52,9 @@ class GatewaySettings:
         streams them one per event, spread over the request's recent step interval, so
         readers see a steady cadence rather than bursts (never later than the next step's
         tokens arrive; whole, non-streamed HTTP answers are never paced).
+    tool_call_parser: how tool calls are read from a reply under tool_choice auto (hermes,
+        llama3, mistral; auto recognises the model's format from its chat template, and takes
+        hermes for a template that knows no tools, which the prompt then teaches).
     """
 
     host: str = "127.0.0.1"
@@ -77,6 +82,7 @@ class GatewaySettings:
     response_store_ttl_s: float = 3600.0
     default_max_output_tokens: int = 512
     stream_pacing: bool = False
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         positive = {
@@ -102,6 +108,9 @@ class GatewaySettings:
         for name in ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.tool_call_parser not in ("auto", *PARSERS):
+            choices = ", ".join(PARSERS)
+            raise ValueError(f"tool_call_parser must be auto or one of {choices}, got {self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
 

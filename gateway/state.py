@@ -8,14 +8,22 @@ import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from cadenza.engine_client import EngineClient
+from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import Admission
 from cadenza.gateway.drain import Drain
 from cadenza.gateway.metrics import Metrics
+from cadenza.gateway.openai_schema import ChatCompletionRequest
 from cadenza.gateway.protocol import ResponseCreate, input_messages
+from cadenza.gateway.request_error import RequestError
+from cadenza.gateway.response_format import combined, from_text_format
 from cadenza.gateway.response_store import Message, ResponseStore
 from cadenza.gateway.settings import GatewaySettings
+from cadenza.gateway.tool_calls import parser_for
 from cadenza.gateway.tracing import Tracing
 from cadenza.outputs import RequestOutput
 from cadenza.request_limits import (
@@ -27,14 +35,7 @@ from cadenza.request_limits import (
     max_tokens_or_default,
 )
 from cadenza.sampling_params import SamplingParams
-
-
-class RequestError(ValueError):
-    """A client mistake, reported as an `error` event (or HTTP 4xx) with code and param."""
-
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.param = code, param
+from cadenza.structured_outputs import StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class PreparedResponse:
     messages: list[Message]  # the conversation so far, this response's input included
     prompt_ids: list[int]
     params: SamplingParams
+    tools: tool_choice.ToolPlan | None = None  # function calls read from the reply
 
 
 class GatewayState:
@@ -54,6 +56,7 @@ class GatewayState:
         self.drain = Drain(self.admission)  # shutdown: refuse new work, end what outlives the drain
         self.store = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
         self.tokenizer = engine.get_tokenizer()
+        self.tool_parser = parser_for(getattr(self.tokenizer, "chat_template", None), settings.tool_call_parser)
         self.metrics = Metrics(model_name)
         self.tracing = tracing
         # Speculation on: streams and usage report how many drafts the model accepted.
@@ -97,15 +100,19 @@ class GatewayState:
             raise RequestError("input is required and must not be empty", "missing_input", "input")
         messages = self._history(create.previous_response_id) + new
         system = [{"role": "system", "content": create.instructions}] if create.instructions else []
-        prompt_ids = await asyncio.to_thread(self._render, system + messages)
-        params = self._params(create, len(prompt_ids))
+        chat = as_chat_request(create, system + messages)
+        tools, shown = tool_choice.plan(chat, self.tool_parser)
+        prompt_ids = await asyncio.to_thread(self._render, chat, shown)
+        grammar = combined(from_text_format(create.text), tool_choice.grammar(tools, chat))
+        params = self._params(create, len(prompt_ids), grammar)
         self.check(params, prompt_ids, "input")
-        return PreparedResponse(response_id or new_id("resp"), messages, prompt_ids, params)
+        return PreparedResponse(response_id or new_id("resp"), messages, prompt_ids, params, tools)
 
-    def _render(self, messages: list[Message]) -> list[int]:
+    def _render(self, chat: ChatCompletionRequest, shown: list[dict[str, Any]]) -> list[int]:
         """Prompt token ids of the conversation (thread-safe: the compiled template and the
         tokenizer hold no per-call state)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        turns, variables = tool_choice.messages(chat, shown, self.tokenizer.chat_template)
+        text = self.tokenizer.apply_chat_template(turns, True, variables)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _history(self, previous_response_id: str | None) -> list[Message]:
@@ -139,7 +146,7 @@ class GatewayState:
             param = params[0] if e.field == "prompt" else params[1]
             raise RequestError(str(e), "context_length_exceeded", param) from None
 
-    def _params(self, create: ResponseCreate, prompt_len: int) -> SamplingParams:
+    def _params(self, create: ResponseCreate, prompt_len: int, grammar: StructuredOutputs | None) -> SamplingParams:
         default = self.settings.default_max_output_tokens
         names = ("input", "max_output_tokens")
         max_tokens = self.max_tokens(prompt_len, create.max_output_tokens, default, names, names)
@@ -149,10 +156,28 @@ class GatewayState:
                 temperature=1.0 if create.temperature is None else create.temperature,
                 top_p=1.0 if create.top_p is None else create.top_p,
                 logprobs=create.top_logprobs,
+                structured_outputs=grammar,
             )
         except ValueError as e:
             raise RequestError(str(e), "invalid_request") from None
         return params
+
+
+def as_chat_request(create: ResponseCreate, messages: list[Message]) -> ChatCompletionRequest:
+    """A Responses request as the chat-completions request it amounts to, so both APIs share
+    one tool and template path (Responses tools are flat: {type, name, parameters})."""
+    tools = [
+        {"type": t.get("type"), "function": {k: v for k, v in t.items() if k != "type"}} for t in create.tools or []
+    ]
+    body = {"messages": messages, "tools": tools or None, "tool_choice": create.tool_choice}
+    try:
+        return msgspec.convert({**body, "parallel_tool_calls": create.parallel_tool_calls}, ChatCompletionRequest)
+    except msgspec.ValidationError as e:
+        raise RequestError(f"invalid tools or input: {e}", "invalid_request", "tools") from None
+
+
+def _without(d: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k != key}
 
 
 def tenant_salt(api_key: str | None, cache_salt: str | None) -> str | None:

@@ -4,6 +4,7 @@ logit_bias, and OpenAI fields accepted without effect (named back in a header)."
 from __future__ import annotations
 
 import json
+import typing
 import urllib.error
 import urllib.request
 
@@ -52,15 +53,53 @@ def test_continuous_usage_stats_puts_the_running_usage_in_every_chunk(paced: str
 def test_openai_fields_without_effect_are_accepted_and_named_back(paced: str) -> None:
     body = {"model": DEFAULT_MODEL, "messages": HI, "max_tokens": 2, "store": False, "metadata": {"k": "v"}}
     body |= {"parallel_tool_calls": True, "service_tier": "auto", "user": "u1", "reasoning_effort": "low"}
+    body |= {"web_search_options": {}}
     status, headers, _ = _post(paced + "/v1/chat/completions", body)
     assert status == 200
     named = headers["x-cadenza-ignored-fields"].split(",")
-    assert named == ["store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort"]
+    assert named == ["store", "metadata", "service_tier", "reasoning_effort", "web_search_options"]
     status, headers, _ = _post(
         paced + "/v1/chat/completions", {"model": DEFAULT_MODEL, "messages": HI, "max_tokens": 1}
     )
     assert status == 200 and "x-cadenza-ignored-fields" not in headers
     assert set(IGNORED) <= set(ChatCompletionRequest.__struct_fields__) & set(CompletionRequest.__struct_fields__)
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+# One plausible value for every field of the openai package's request types.
+CHAT_VALUES = {
+    "audio": {"voice": "alloy", "format": "wav"}, "frequency_penalty": 0.1, "function_call": "auto",
+    "functions": [WEATHER["function"]], "logit_bias": {"5": 1}, "logprobs": True, "max_completion_tokens": 2,
+    "max_tokens": 2, "messages": HI, "metadata": {"k": "v"}, "modalities": ["text"], "model": DEFAULT_MODEL,
+    "moderation": {"model": "omni-moderation-latest"}, "n": 1, "parallel_tool_calls": False,
+    "prediction": {"type": "content", "content": "x"}, "presence_penalty": 0.1, "prompt_cache_key": "k",
+    "prompt_cache_options": {}, "prompt_cache_retention": "24h", "reasoning_effort": "low",
+    "response_format": {"type": "json_object"}, "safety_identifier": "s", "seed": 1, "service_tier": "auto",
+    "stop": ["zz"], "store": False, "stream_options": {"include_usage": True}, "temperature": 0.5,
+    "tool_choice": "auto", "tools": [WEATHER], "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low",
+    "web_search_options": {},
+}  # fmt: skip
+COMPLETION_VALUES = {
+    "best_of": 1, "echo": True, "frequency_penalty": 0.1, "logit_bias": {"5": 1}, "logprobs": 1, "max_tokens": 2,
+    "model": DEFAULT_MODEL, "n": 1, "presence_penalty": 0.1, "prompt": "hi", "seed": 1, "stop": "zz",
+    "stream_options": {"include_usage": True}, "suffix": "!", "temperature": 0.5, "top_p": 0.9, "user": "u",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path,params,values",
+    [
+        ("/v1/chat/completions", openai.types.chat.completion_create_params.CompletionCreateParamsBase, CHAT_VALUES),
+        ("/v1/completions", openai.types.completion_create_params.CompletionCreateParamsBase, COMPLETION_VALUES),
+    ],
+)
+def test_every_openai_request_field_is_accepted(paced: str, path: str, params: type, values: dict) -> None:
+    fields = set(typing.get_type_hints(params))
+    assert fields <= set(values), f"fields the openai package added: {sorted(fields - set(values))}"
+    required = {"model": DEFAULT_MODEL, **({"messages": HI} if "chat" in path else {"prompt": "hi"})}
+    for field in sorted(fields):
+        status, _, body = _post(paced + path, {**required, "max_tokens": 2, field: values[field]})
+        assert status == 200, (field, body)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +149,7 @@ def _prepared(body: dict, chat: bool) -> tuple[str, list[int], SamplingParams]:
     app = build_app(PacedEngine(pace=0.001), DEFAULT_MODEL, GatewaySettings())
     state = app.state.gateway
     kind = ChatCompletionRequest if chat else CompletionRequest
-    ids, params = OpenAIHttp(state)._prepare(msgspec.json.decode(json.dumps(body), type=kind), chat)
+    ids, params, _ = OpenAIHttp(state)._prepare(msgspec.json.decode(json.dumps(body), type=kind), chat)
     return state.tokenizer.decode(ids, skip_special_tokens=False), ids, params
 
 
