@@ -85,6 +85,9 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device))
+    banned = _bad_word_ends(p.bad_words_token_ids, r.output_ids)
+    if banned:
+        row[banned] = float("-inf")
     if p.allowed_token_ids is not None:
         allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
         kept = row[allowed].clone()
@@ -96,6 +99,15 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
         row[list(r.stop_ids)] = float("-inf")
     if (p.allowed_token_ids is not None or r.grammar_mask is not None) and not bool(torch.isfinite(row).any()):
         raise ValueError("no token can be sampled: min_tokens, allowed_token_ids and the grammar leave none")
+
+
+def _bad_word_ends(words: list[list[int]], outputs: list[int]) -> list[int]:
+    """The tokens that would complete a bad word here."""
+    return [
+        w[-1]
+        for w in words
+        if len(w) == 1 or (len(outputs) >= len(w) - 1 and outputs[len(outputs) - len(w) + 1 :] == w[:-1])
+    ]
 
 
 def _apply_grammar(row: torch.Tensor, allowed: torch.Tensor) -> None:

@@ -173,6 +173,8 @@ def _check_sampling(params: SamplingParams, limits: RequestLimits) -> None:
             raise ValueError(f"{name} must be at most {cap} (max_logprobs), got {value}")
     if any(not 0 <= t < limits.vocab_size for t in params.allowed_token_ids or []):
         raise ValueError(f"allowed_token_ids must be in [0, {limits.vocab_size})")
+    if any(not 0 <= t < limits.vocab_size for word in params.bad_words_token_ids for t in word):
+        raise ValueError(f"bad_words token ids must be in [0, {limits.vocab_size})")
     if any(not 0 <= t < limits.vocab_size for t in params.logit_bias):
         raise ValueError(f"logit_bias token ids must be in [0, {limits.vocab_size})")
     if params.min_tokens >= limits.max_model_len:

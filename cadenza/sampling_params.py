@@ -43,6 +43,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     # vLLM's allowed_token_ids: when given, only these tokens can be sampled.
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, tokenized: a sequence's last token is banned wherever the output
+    # ends with the rest of it (a one-token word is banned everywhere).
+    bad_words_token_ids: list[list[int]] = []
     # Speculative decoding: at most this many drafts per step for this request (0: none);
     # None takes the engine's speculative_config. Ignored when speculation is off.
     num_speculative_tokens: int | None = None
@@ -108,6 +111,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
         if any(not -_INT64_MAX <= t <= _INT64_MAX for t in self.allowed_token_ids or []):
             raise ValueError("allowed_token_ids must be token ids (64-bit integers)")
+        if any(not word for word in self.bad_words_token_ids):
+            raise ValueError("bad_words must not be empty strings")
+        if any(not -_INT64_MAX <= t <= _INT64_MAX for word in self.bad_words_token_ids for t in word):
+            raise ValueError("bad_words_token_ids must be token ids (64-bit integers)")
         if any(not -_INT64_MAX <= t <= _INT64_MAX for t in self.logit_bias):
             raise ValueError("logit_bias keys must be token ids (64-bit integers)")
         if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in self.logit_bias.values()):
@@ -135,4 +142,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def edits_logits(self) -> bool:
         """Whether the sampler changes this request's logits before choosing (penalties, bias)."""
-        return self.needs_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (
+            self.needs_penalties
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )

@@ -104,6 +104,13 @@ def cmd_bench_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_structured(args: argparse.Namespace) -> int:
+    from cadenza.benchmarks.structured import run_structured_bench
+
+    run_structured_bench(args)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from cadenza.gateway.server import run_server
 
@@ -169,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_formats_args(formats)
     formats.set_defaults(func=cmd_bench_formats)
+    structured = bench_sub.add_parser("structured", help="what a JSON-schema grammar costs per token, overlap on/off")
+    from cadenza.benchmarks.structured import add_structured_args
+
+    add_structured_args(structured)
+    structured.set_defaults(func=cmd_bench_structured)
     return parser
 
 

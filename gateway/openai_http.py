@@ -101,6 +101,7 @@ class OpenAIHttp:
         default = state.settings.default_max_output_tokens if chat else 16
         max_tokens = state.max_tokens(len(prompt_ids), body.requested_max_tokens, default, (prompt, "max_tokens"))
         params = body.sampling_params(max_tokens, body.num_logprobs, _grammar(body, tools))
+        params.bad_words_token_ids = _bad_word_ids(tokenizer, body.bad_words)
         if tools is not None and tools.mode == "auto" and tools.parser != "hermes":
             params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens
         state.check(params, prompt_ids, prompt)  # an empty prompt included
@@ -120,6 +121,16 @@ class OpenAIHttp:
         if body.continue_final_message:
             text = _continued(text, messages)
         return tokenizer.encode(text, add_special_tokens=body.add_special_tokens), tools
+
+
+def _bad_word_ids(tokenizer: Any, words: list[str] | None) -> list[list[int]]:
+    """vLLM's rule: each word as it would start the text and after a space."""
+    if any(not w for w in words or []):
+        raise RequestError("bad_words must not be empty strings", "invalid_request", "bad_words")
+    variants = {
+        tuple(tokenizer.encode(v, add_special_tokens=False)) for w in words or [] for v in (w, " " + w.lstrip())
+    }
+    return [list(v) for v in sorted(variants) if v]
 
 
 def _grammar(body: Body, tools: tool_choice.ToolPlan | None) -> Any:
@@ -240,7 +251,9 @@ class _Run:
     async def whole(self) -> dict[str, Any]:
         logprobs: dict[int, list] = {}  # texts and finish reasons are the tally's
         echoed: tuple[str, list] | None = None
+        first: RequestOutput | None = None
         async for delta in self._deltas():
+            first = first or delta
             out = delta.outputs[0]
             echoed = echoed or (self._echoed(delta) if self.echo else None)
             logprobs.setdefault(out.index, []).extend(self._logprob_entries(out))
@@ -251,7 +264,24 @@ class _Run:
                 kept_text, kept_entries = ("", []) if self.echo_only else (texts[i], logprobs[i])
                 texts[i], logprobs[i] = prompt_text + kept_text, prompt_entries + kept_entries
         choices = [self._choice(i, texts[i], logprobs[i], reasons.get(i), final=True) for i in sorted(texts)]
-        return self._envelope(choices, usage=self.usage())
+        body = self._envelope(choices, usage=self.usage())
+        if self.body.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(first)
+        return body
+
+    def _prompt_logprobs(self, delta: RequestOutput | None) -> list[dict[str, Any] | None]:
+        """vLLM's shape: per prompt token (the first has none) its candidates by token id."""
+        positions = (delta.prompt_logprobs if delta else None) or [None] * len(self.prompt_ids)
+        token_text = self.state.tokenizer.token_text
+        return [
+            None
+            if pos is None
+            else {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}
+                for t, lp in pos.items()
+            }
+            for pos in positions
+        ]
 
     def _echoed(self, delta: RequestOutput) -> tuple[str, list[dict[str, Any]]]:
         """The prompt's text and, when logprobs were asked, an entry per prompt token (the

@@ -28,7 +28,10 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 # Accepted, and without effect on what is generated: said so in a header, and logged.
 IGNORED = (
     "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "reasoning_effort", "verbosity",
+    "spaces_between_special_tokens",
 )  # fmt: skip
+# spaces_between_special_tokens (vLLM) changes only slow tokenizers' decoding; fast ones,
+# whose decode this server uses as transformers does, never add those spaces.
 # Chat only: audio and web search this server cannot do, OpenAI's moderation and prompt-cache
 # hints, and Predicted Outputs (prediction).
 CHAT_IGNORED = (
@@ -117,6 +120,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: PositiveInt | None = None  # keep the prompt's last k tokens
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    bad_words: list[str] | None = None  # never generated (as a word, with or without a leading space)
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # vLLM: the prompt's own
     # Structured outputs: vLLM's field, and its older guided_* names (one source at most).
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -132,6 +137,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     safety_identifier: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    spaces_between_special_tokens: Any = None
 
     def ignored_fields(self) -> list[str]:
         return [name for name in (*IGNORED, *self.ignored_here()) if getattr(self, name) is not None]
@@ -171,6 +177,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -259,7 +266,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     ) -> SamplingParams:
         params = super().sampling_params(max_tokens, logprobs, grammar)
         if self.echo and logprobs is not None:
-            params.prompt_logprobs = logprobs
+            params.prompt_logprobs = max(logprobs, self.prompt_logprobs or 0)
         return params
 
     @property

@@ -68,3 +68,24 @@ def test_logprobs_rank_and_top() -> None:
     lp = lps[0]
     assert lp.token_ids == [0, 0, 1] and lp.rank == 1
     assert abs(lp.logprobs[0] - float(torch.log_softmax(LOGITS, -1)[0])) < 1e-6
+
+
+def test_bad_words_ban_the_token_that_would_complete_them() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 5], logits[0, 8] = 3.0, 2.0  # 5 is best, 8 second
+    words = [[5], [7, 8]]
+    params = SamplingParams(temperature=0, bad_words_token_ids=words)
+    after_7 = SamplingRow(params, [1], [3, 7], ())
+    assert sample(logits, [after_7])[0] == [0]  # 5 always banned; 8 banned after 7
+    after_3 = SamplingRow(params, [1], [7, 3], ())
+    assert sample(logits, [after_3])[0] == [8]
+
+
+def test_grammar_mask_bans_all_but_its_tokens() -> None:
+    logits = torch.arange(12, dtype=torch.float32)[None, :]
+    mask = torch.zeros(10, dtype=torch.bool)  # shorter than the padded vocabulary: the tail is banned
+    mask[[2, 4]] = True
+    row = SamplingRow(SamplingParams(temperature=0), [1], [], (), mask)
+    assert sample(logits, [row])[0] == [4]
+    seeded = SamplingRow(SamplingParams(temperature=1.0, seed=1), [1], [], (), mask)
+    assert all(sample(logits, [seeded])[0][0] in (2, 4) for _ in range(20))

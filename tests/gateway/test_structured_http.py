@@ -180,3 +180,28 @@ def test_websocket_text_format_and_function_calls(server: Server) -> None:
     _, answer = asyncio.run(_ws_response(server, input=turn, tools=[FLAT_WEATHER], max_output_tokens=16))
     assert answer.status in ("completed", "incomplete") and answer.output_text
     assert answer.usage.input_tokens > 100  # the tools and the tool turns were rendered
+
+
+def test_bad_words_are_never_generated(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=16)
+    assert "Paris" in plain.choices[0].message.content
+    banned = client.chat.completions.create(
+        model=MODEL, messages=ask, temperature=0, max_tokens=16, extra_body={"bad_words": ["Paris"]}
+    )
+    assert "Paris" not in banned.choices[0].message.content
+
+
+def test_chat_prompt_logprobs_equal_the_engines(client: openai.OpenAI, smollm) -> None:
+    from cadenza import SamplingParams
+
+    ask = [{"role": "user", "content": "Hello there!"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ask, temperature=0, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    served = reply.model_extra["prompt_logprobs"]
+    engine = smollm.chat([ask], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    assert served[0] is None and len(served) == len(engine.prompt_token_ids)
+    for token, position, expected in zip(engine.prompt_token_ids[1:], served[1:], engine.prompt_logprobs[1:]):
+        assert position[str(token)]["logprob"] == pytest.approx(expected[token].logprob, abs=1e-3)
+        assert position[str(token)]["rank"] == expected[token].rank
