@@ -49,3 +49,46 @@ def test_chat_page_streams_two_turns_and_stops(server) -> None:
         page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
         browser.close()
     assert (ARTIFACTS / "chat_page.png").stat().st_size > 0
+
+
+WEATHER_TOOL = (
+    '[{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": '
+    '{"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}}]'
+)
+
+
+@pytest.mark.slow
+def test_chat_page_json_mode_and_tool_call_cards(server) -> None:
+    import json
+
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.goto(f"{server.http}/?key={API_KEY}")
+        expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+        page.check("#json")
+        page.fill("#input", "Describe a cat in JSON.")
+        page.keyboard.press("Enter")
+        reply = page.locator(".msg.assistant").nth(0)
+        expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
+        if "incomplete" not in reply.locator(".meta").inner_text():
+            text = reply.inner_text().removesuffix(reply.locator(".meta").inner_text()).strip()
+            assert isinstance(json.loads(text), dict)
+        page.uncheck("#json")
+        page.fill("#tools", WEATHER_TOOL)
+        page.select_option("#tool_choice", "required")
+        page.fill("#input", "What is the weather in Paris?")
+        page.keyboard.press("Enter")
+        card = page.locator(".card")
+        expect(card.locator(".name")).to_contain_text("get_weather", timeout=120_000)
+        assert "city" in json.loads(card.locator("pre").inner_text())
+        expect(page.locator("#send")).to_be_enabled(timeout=60_000)
+        page.select_option("#tool_choice", "auto")
+        card.locator("input").fill('{"temperature_c": 18}')
+        card.locator("button").click()
+        answer = page.locator(".msg.assistant").nth(2)
+        expect(answer.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
+        page.screenshot(path=str(ARTIFACTS / "chat_page_tools.png"), full_page=True)
+        browser.close()
