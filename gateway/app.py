@@ -25,6 +25,7 @@ from cadenza.errors import EngineDeadError
 from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
+from cadenza.gateway.responses_http import ResponsesHttp
 from cadenza.gateway.responses_ws import ResponsesSocket
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
@@ -69,6 +70,7 @@ def build_app(
         gateway = {
             "in_flight": state.admission.in_flight,
             "stored_responses": len(state.store),
+            "logged_responses": len(state.logs),
             "gateway_pid": os.getpid(),
         }
         return JSONResponse({"engine": engine_stats, "gateway": gateway})
@@ -80,6 +82,7 @@ def build_app(
         await handle_socket(ws, state, check_host)
 
     http = OpenAIHttp(state)
+    responses_http = ResponsesHttp(state)
     routes = [
         Route("/", index),
         Route("/v1/models", http.models),
@@ -89,6 +92,9 @@ def build_app(
         Route("/stats", stats),
         Route("/metrics", metrics),
         WebSocketRoute("/v1/responses", responses),
+        Route("/v1/responses", responses_http.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_http.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses_http.cancel, methods=["POST"]),
     ]
     guard = Middleware(HttpGuard, settings=settings, drain=state.drain, check_host=check_host)
     app = Starlette(routes=routes, middleware=[guard])

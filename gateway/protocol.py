@@ -55,6 +55,10 @@ class ResponseCreate(msgspec.Struct, tag="response.create", tag_field="type"):
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "name", "parameters", ...}
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Runs on when its stream drops (the socket closes): resumable by GET
+    # /v1/responses/{id}?stream=true&starting_after=N, cancelled only by a cancel.
+    background: bool = False
+    stream: bool = False  # POST /v1/responses only (the websocket always streams)
 
 
 class ResponseSteer(msgspec.Struct, tag="response.steer", tag_field="type"):
@@ -174,6 +178,7 @@ def response_object(
         "tool_choice": create.tool_choice or ("auto" if create.tools else "none"),
         "tools": create.tools or [],
         "text": create.text or {"format": {"type": "text"}},
+        "background": create.background,
         "instructions": create.instructions,
         "previous_response_id": create.previous_response_id,
         "max_output_tokens": create.max_output_tokens,

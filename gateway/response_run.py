@@ -35,7 +35,9 @@ class ResponseRun:
         self.item_id = new_id("msg")
         self.created_at = p.now()
         state = socket.state
-        self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", socket.ws.headers, prepared.params))
+        self.log = state.logs.open(prepared.response_id)  # for replay, whatever the transport
+        self.log.cancel = self.cancel
+        self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", socket.headers, prepared.params))
         self.tally.observation.span.messages(prepared.messages)
         # Tools: under auto the reply's content streams and its calls are read as it goes;
         # a grammar-made reply (required, a named function) is all calls, read at the end.
@@ -51,9 +53,22 @@ class ResponseRun:
         return {**r, **fields}
 
     async def emit(self, event: p.Json) -> None:
+        self.log.append(event)
         await self.socket.send(event, self.sid)
 
+    def cancel(self) -> None:
+        """A cancel from outside its socket (HTTP); past its stream it completes as it is."""
+        task = self.job.task
+        if task is not None and not task.done() and not self.job.finishing:
+            task.cancel()
+
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self.log.finish()
+
+    async def _run(self) -> None:
         item = {"output_index": 0, "item_id": self.item_id, "content_index": 0}
         try:
             finish = await self.open_and_stream(item)
@@ -79,7 +94,7 @@ class ResponseRun:
 
     async def stream(self, item: p.Json) -> str:
         state = self.socket.state
-        salt = tenant_salt(presented_key(self.socket.ws.headers), self.job.create.cache_salt)
+        salt = tenant_salt(presented_key(self.socket.headers), self.job.create.cache_salt)
         prepared = self.prepared
         stream = state.generate(prepared.prompt_ids, prepared.params, prepared.response_id, True, salt)
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC

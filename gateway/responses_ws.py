@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -57,13 +58,17 @@ class ResponsesSocket:
         self.client = state.admission.client(presented_key(ws.headers), ws.client and ws.client.host)
         self.lanes: dict[str | None, Lane] = {}
         self.active: dict[str, Job] = {}  # response id -> running job
-        self.job_tasks: set[asyncio.Task[None]] = set()  # started jobs, from their first moment
+        self.job_tasks: dict[asyncio.Task[None], Job] = {}  # started jobs, from their first moment
         self.pending = 0  # responses admitted on this socket and not yet finished
         self.seq = 0
         self.send_lock = asyncio.Lock()
         self.closed = False  # nothing more is sent, and nothing new is queued
         self.stalled = False  # a send timed out: the client stopped reading
         self.serve_task: asyncio.Task[None] | None = None
+
+    @property
+    def headers(self) -> Any:
+        return self.ws.headers
 
     async def send(self, event: p.Json, stream_id: str | None = None) -> None:
         if self.closed:
@@ -205,7 +210,7 @@ class ResponsesSocket:
             while lane.jobs:
                 job = lane.jobs.popleft()
                 job.task = asyncio.get_running_loop().create_task(self.run_job(job))
-                self.job_tasks.add(job.task)
+                self.job_tasks[job.task] = job
                 job.task.add_done_callback(lambda task, job=job: self.job_done(job, task))
                 await asyncio.wait((job.task,))  # unlike awaiting it, a cancelled job does not end the lane
         finally:
@@ -213,7 +218,7 @@ class ResponsesSocket:
 
     def job_done(self, job: Job, task: asyncio.Task[None]) -> None:
         """Runs however the task ended, even if it was cancelled before its first step."""
-        self.job_tasks.discard(task)
+        self.job_tasks.pop(task, None)
         self.release(job)
         if not task.cancelled() and task.exception() is not None:  # run_job catches; this is a bug
             log.error("a response task failed", exc_info=task.exception())
@@ -274,7 +279,9 @@ class ResponsesSocket:
         (a steered response's successor included) and every place comes back."""
         self.closed = True
         tasks = [lane.runner for lane in self.lanes.values() if lane.runner]
-        tasks += list(self.job_tasks)  # including jobs created but not yet started
+        # Including jobs created but not yet started; a background response runs on (its
+        # events are kept for a resume) and gives its place back when it ends.
+        tasks += [task for task, job in self.job_tasks.items() if not job.create.background]
         for task in tasks:
             task.cancel()
         if tasks:

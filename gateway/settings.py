@@ -52,6 +52,11 @@ class GatewaySettings:
         streams them one per event, spread over the request's recent step interval, so
         readers see a steady cadence rather than bursts (never later than the next step's
         tokens arrive; whole, non-streamed HTTP answers are never paced).
+    response_log_size / response_log_ttl_s / response_log_max_events: the events of recent
+        responses, kept so `GET /v1/responses/{id}?stream=true&starting_after=N` can resume a
+        dropped stream: at most this many responses (the oldest finished first), each for
+        this long after it ends, each keeping at most this many events (one per token, about;
+        a longer response streams on but cannot be replayed).
     tool_call_parser: how tool calls are read from a reply under tool_choice auto (hermes,
         llama3, mistral; auto recognises the model's format from its chat template, and takes
         hermes for a template that knows no tools, which the prompt then teaches).
@@ -83,6 +88,9 @@ class GatewaySettings:
     default_max_output_tokens: int = 512
     stream_pacing: bool = False
     tool_call_parser: str = "auto"
+    response_log_size: int = 256
+    response_log_ttl_s: float = 600.0
+    response_log_max_events: int = 16384
 
     def __post_init__(self) -> None:
         positive = {
@@ -99,13 +107,15 @@ class GatewaySettings:
             "max_connections": self.max_connections,
             "response_store_size": self.response_store_size,
             "default_max_output_tokens": self.default_max_output_tokens,
+            "response_log_size": self.response_log_size,
+            "response_log_max_events": self.response_log_max_events,
         }
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_queued_requests < 0 or self.response_store_ttl_s <= 0:
             raise ValueError("max_queued_requests must be >= 0 and response_store_ttl_s > 0")
-        for name in ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s"):
+        for name in ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s", "response_log_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.tool_call_parser not in ("auto", *PARSERS):

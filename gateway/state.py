@@ -20,6 +20,7 @@ from cadenza.gateway.metrics import Metrics
 from cadenza.gateway.openai_schema import ChatCompletionRequest
 from cadenza.gateway.protocol import ResponseCreate, input_messages
 from cadenza.gateway.request_error import RequestError
+from cadenza.gateway.response_events import ResponseLogs
 from cadenza.gateway.response_format import combined, from_text_format
 from cadenza.gateway.response_store import Message, ResponseStore
 from cadenza.gateway.settings import GatewaySettings
@@ -55,6 +56,8 @@ class GatewayState:
         self.admission = Admission(settings)
         self.drain = Drain(self.admission)  # shutdown: refuse new work, end what outlives the drain
         self.store = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
+        s = settings
+        self.logs = ResponseLogs(s.response_log_size, s.response_log_ttl_s, s.response_log_max_events)
         self.tokenizer = engine.get_tokenizer()
         self.tool_parser = parser_for(getattr(self.tokenizer, "chat_template", None), settings.tool_call_parser)
         self.metrics = Metrics(model_name)

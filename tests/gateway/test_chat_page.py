@@ -92,3 +92,26 @@ def test_chat_page_json_mode_and_tool_call_cards(server) -> None:
         expect(answer.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
         page.screenshot(path=str(ARTIFACTS / "chat_page_tools.png"), full_page=True)
         browser.close()
+
+
+@pytest.mark.slow
+def test_chat_page_resumes_after_a_forced_socket_close(server) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.goto(f"{server.http}/?key={API_KEY}")
+        expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+        page.fill("#input", "Write a long story about a castle and its many rooms.")
+        page.keyboard.press("Enter")
+        reply = page.locator(".msg.assistant").nth(0)
+        expect(reply).to_contain_text(re.compile(r"\w+\W+\w+\W+\w+"), timeout=120_000)
+        page.evaluate("ws.close()")  # the network drops mid-reply
+        expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=180_000)
+        response_id = page.evaluate("previousId")
+        shown = reply.inner_text().removesuffix(reply.locator(".meta").inner_text()).rstrip("\n")
+        stored = server.get(f"/v1/responses/{response_id}")
+        assert stored["output"][0]["content"][0]["text"] == shown  # nothing lost, nothing repeated
+        expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+        browser.close()
