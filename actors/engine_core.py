@@ -57,7 +57,13 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.num_blocks = num_kv_blocks(config, model_config, max_model_len)
-        self.kv = KVCacheManager(BlockPool(self.num_blocks), config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            BlockPool(self.num_blocks),
+            config.block_size,
+            config.enable_prefix_caching,
+            config.session_pin_ttl_s,
+            config.max_pinned_fraction,
+        )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -153,5 +159,6 @@ class EngineCore:
         spec = s.spec_stats if s.spec is not None else None
         weights = self.runner.model.weight_bytes() if self.runner is not None else self.weight_bytes
         return EngineStats(
-            len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec, *self.formats, weights
-        )
+            len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec, *self.formats, weights,
+            num_pinned_blocks=self.kv.pins.num_pinned_blocks,
+        )  # fmt: skip

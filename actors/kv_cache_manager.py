@@ -9,6 +9,7 @@ import msgspec
 
 from cadenza.actors.block_pool import BlockPool, KVBlock
 from cadenza.actors.request import Request
+from cadenza.actors.session_pins import SessionPins
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple) -> bytes:
@@ -17,8 +18,16 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool,
+        session_pin_ttl_s: float = 0.0,
+        max_pinned_fraction: float = 0.0,
+    ) -> None:
         self.pool = pool
+        self.pins = SessionPins(pool, int(max_pinned_fraction * pool.num_blocks), session_pin_ttl_s)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks: dict[str, list[KVBlock]] = {}
@@ -84,6 +93,12 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self.num_published[req.request_id] = full
 
+    def pin_session(self, req: Request) -> None:
+        """A finished turn of a conversation: its cached blocks stay for the next turn."""
+        if req.session_id is not None and self.enable_prefix_caching:
+            published = self.num_published.get(req.request_id, 0)
+            self.pins.pin(req.session_id, self.blocks.get(req.request_id, [])[:published])
+
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so a prefix outlives its own suffix in the cache."""
         blocks = self.blocks.pop(req.request_id, [])
@@ -93,6 +108,7 @@ class KVCacheManager:
     def reset(self) -> None:
         """After the workers' KV is lost: no request holds blocks any more (the caller freed
         them) and no cached block may be found again."""
+        self.pins.clear()
         assert not any(self.blocks.values()), "reset while requests still hold blocks"
         self.blocks.clear()
         self.num_published.clear()

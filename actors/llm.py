@@ -44,13 +44,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        session_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """session_ids: the conversation each prompt is a turn of (its prefix is pinned)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        pending = [self._add(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
+        sessions = list(session_ids) if session_ids is not None else [None] * len(prompts)
+        if len(priorities) != len(prompts) or len(sessions) != len(prompts):
+            raise ValueError(
+                f"got {len(priorities)} priorities, {len(sessions)} session ids for {len(prompts)} prompts"
+            )
+        pending = [self._add(*args) for args in zip(prompts, params, priorities, sessions)]
         self._run(pending, use_tqdm and len(pending) > 1)
         return [p.output() for p in pending]
 
@@ -89,11 +94,11 @@ class LLM:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
         return list(sp)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> PendingRequest:
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int, session: str | None = None) -> PendingRequest:
         text, ids = tokenize(self.tokenizer, prompt)
         rid = str(self._next_id)
         self._next_id += 1
-        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer)
+        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer, session_id=session)
         for req in requests:
             self.engine.add_request(req)
         return pending

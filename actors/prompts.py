@@ -75,6 +75,7 @@ def fan_out(
     priority: int,
     tokenizer: Tokenizer | None,
     cache_salt: str | None = None,
+    session_id: str | None = None,
 ) -> tuple[PendingRequest, list[EngineRequest]]:
     """n > 1: child 0 leads, the others follow it (they wait for its prompt KV, then share it);
     seeded children get seed + i, so their samples differ but stay reproducible."""
@@ -92,6 +93,7 @@ def fan_out(
                 sampling_params=child_params,
                 priority=priority,
                 cache_salt=cache_salt,
+                session_id=session_id,
                 prefix_leader=requests[0].request_id if requests else None,
             )
         )

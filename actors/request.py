@@ -29,6 +29,7 @@ class Request:
         self.arrival_seq = arrival_seq  # ties broken by admission order
         self.cache_salt = req.cache_salt
         self.prefix_leader = req.prefix_leader
+        self.session_id = req.session_id
         self.eos_token_ids = () if self.params.ignore_eos else eos_token_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

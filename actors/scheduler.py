@@ -91,6 +91,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._expire()
+        self.kv.pins.expire()
         budget = self.max_num_batched_tokens
         so = SchedulerOutput(
             new_requests=[],
@@ -228,7 +229,9 @@ class Scheduler:
         """Nothing runs and the pool is free, yet the head of the queue was not admitted: it
         can never fit, so it fails now rather than waiting forever."""
         head = next((r for r in self.waiting if not self._waits_for_leader(r)), None)
-        if head is not None:
+        if head is not None and self.kv.pins.num_pinned_blocks:  # pins yield before anything fails
+            self.kv.pins.clear()
+        elif head is not None:
             message = f"the request needs more KV blocks than the pool's {self.kv.pool.num_blocks}"
             self.failed += self.fail([head.request_id], message)
 
@@ -330,6 +333,8 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
+        if req.finish_reason != "error":
+            self.kv.pin_session(req)
         self.kv.forget(req)
         self.finished_ids.append(req.request_id)
         del self.requests[req.request_id]

@@ -62,18 +62,21 @@ class StreamingClient:
         priority: int = 0,
         pace: bool = False,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request: each output holds only what is new since the last one.
 
         pace: when a step brings several tokens (speculative decoding), yield them one per
         delta, spread over the request's recent step interval instead of in one burst.
         cache_salt: mixed into every KV block hash, so requests with another salt (another
-        tenant) never share this request's cached prefix."""
+        tenant) never share this request's cached prefix.
+        session_id: the conversation this is a turn of; its prefix stays pinned in the KV
+        cache between turns (EngineConfig.session_pin_ttl_s)."""
         self._check_alive()
         params = sampling_params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer, cache_salt)
+        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer, cache_salt, session_id)
         if rid in self._families or any(r.request_id in self._queues for r in requests):
             raise ValueError(f"request id {rid!r} is already in use")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()

@@ -69,6 +69,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="32:128", help="max tokens per request, lo:hi")
     p.add_argument("--dataset", default=None, help="JSONL of {prompt, max_tokens} or plain text lines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--priority", type=int, default=None, help="sent with every request (lower runs first)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the latency distributions here")
@@ -112,6 +113,8 @@ async def _http_one(session: Any, args: argparse.Namespace, sample: Sample, resu
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.priority is not None:
+        body["priority"] = args.priority
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with session.post(f"{args.url}/v1/chat/completions", json=body, headers=headers) as r:
         if r.status != 200:
@@ -135,6 +138,8 @@ async def _ws_one(session: Any, args: argparse.Namespace, sample: Sample, result
     url = args.url.replace("http", "ws", 1) + "/v1/responses"
     async with session.ws_connect(url, headers=headers, max_msg_size=0) as ws:
         event = {"type": "response.create", "input": sample.prompt, "max_output_tokens": sample.max_tokens}
+        if args.priority is not None:
+            event["priority"] = args.priority
         await ws.send_str(json.dumps({**event, "model": args.model}))
         last = None
         async for message in ws:

@@ -122,8 +122,12 @@ class EngineConfig:
 
     speculative_config: a SpeculativeConfig or its dict; None turns speculation off.
 
-    scheduling_policy: "fcfs" admits in arrival order and ignores request priorities;
-    "priority" admits (and preempts) by (priority, arrival), lower first, as vLLM does.
+    scheduling_policy: "priority" (default) admits (and preempts) by (priority, arrival),
+    lower first, as vLLM does; with every request at priority 0 that is arrival order, so an
+    interactive request (0) goes before batch work a client marks with a higher number;
+    "fcfs" ignores priorities. session_pin_ttl_s: a conversation's prefix blocks (requests
+    with a session_id) stay pinned this long after its last turn, so other work cannot
+    evict them (0: off); max_pinned_fraction: the most of the pool all pins hold together.
     Request limits, checked before any work (cadenza.request_limits): max_logprobs caps
     logprobs and prompt_logprobs (-1: up to the vocabulary); max_stop_strings / max_stop_string_chars /
     max_stop_token_ids bound the stop conditions. request_timeout_s: a request still
@@ -143,7 +147,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "priority"
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -159,6 +163,8 @@ class EngineConfig:
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
     request_timeout_s: float | None = None
+    session_pin_ttl_s: float = 300.0
+    max_pinned_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -185,6 +191,8 @@ class EngineConfig:
         limits = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids")
         if any(getattr(self, name) < 0 for name in limits) or self.max_logprobs < -1:
             raise ValueError(f"{', '.join(limits)} must be non-negative, max_logprobs >= -1 (-1: no cap)")
+        if self.session_pin_ttl_s < 0 or not 0 <= self.max_pinned_fraction < 1:
+            raise ValueError("session_pin_ttl_s must be >= 0 and max_pinned_fraction in [0, 1)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
 

@@ -36,7 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--scheduling-policy", default="priority", choices=["fcfs", "priority"])
+    p.add_argument("--session-pin-ttl-s", type=float, default=300.0, help="keep a conversation's prefix KV this long")
+    p.add_argument("--max-pinned-fraction", type=float, default=0.25, help="the most of the KV pool pins may hold")
     # Request limits (cadenza.request_limits): past them a request is refused before any work.
     p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
     p.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
@@ -71,4 +73,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_stop_string_chars=args.max_stop_string_chars,
         max_stop_token_ids=args.max_stop_token_ids,
         request_timeout_s=args.request_timeout_s,
+        session_pin_ttl_s=args.session_pin_ttl_s,
+        max_pinned_fraction=args.max_pinned_fraction,
     )

@@ -21,6 +21,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     # n > 1: followers wait for the leader's prompt and then share its full KV blocks.
     prefix_leader: str | None = None
+    # The conversation this request is a turn of: its prefix blocks are pinned after it
+    # finishes, for the engine's session_pin_ttl_s (actors/session_pins.py).
+    session_id: str | None = None
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):

@@ -55,6 +55,7 @@ class EngineStats(msgspec.Struct):
     dtype: str = ""
     compute_dtype: str = ""
     weight_bytes: int = 0
+    num_pinned_blocks: int = 0  # held for conversations between their turns (session pins)
 
 
 class ServingStats(msgspec.Struct, kw_only=True):

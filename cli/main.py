@@ -16,6 +16,7 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--priority", type=int, default=0, help="lower runs first (the priority scheduling policy)")
 
 
 def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - cadenza.LLM, imported late for a fast --help
@@ -38,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
     else:
-        outs = llm.generate(args.prompts, params, use_tqdm=False)
+        outs = llm.generate(args.prompts, params, use_tqdm=False, priority=[args.priority] * len(args.prompts))
     for out in outs:
         print(out.outputs[0].text)
     return 0

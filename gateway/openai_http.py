@@ -26,6 +26,7 @@ from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cadenza.gateway.response_format import combined, requested_grammar
+from cadenza.gateway.scheduling import request_priority
 from cadenza.gateway.state import GatewayState, RequestError, new_id, tenant_salt
 from cadenza.gateway.stream_tally import StreamTally
 from cadenza.outputs import RequestOutput
@@ -67,6 +68,13 @@ class OpenAIHttp:
             return _refusal(e)
         run = _Run(self.state, body, chat, prompt_ids, params)
         run.tools = tools
+        try:
+            run.priority = request_priority(
+                body.priority, body.service_tier, request.headers, self.state.settings.batch_priority
+            )
+        except RequestError as e:
+            admission.release(client)
+            return _refusal(e)
         run.client = client
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
         operation = "chat" if chat else "text_completion"
@@ -207,9 +215,13 @@ class _Run:
         self.echo = not chat and body.echo
         self.echo_only = self.echo and body.echo_only
         self.tools: tool_choice.ToolPlan | None = None  # set by the route: calls read from the reply
+        self.priority = 0  # set by the route (gateway/scheduling.py)
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
-        stream = self.state.generate(self.prompt_ids, self.params, self.id, self.body.stream, self.cache_salt)
+        state, body = self.state, self.body
+        stream = state.generate(
+            self.prompt_ids, self.params, self.id, body.stream, self.cache_salt, self.priority, body.prompt_cache_key
+        )
         tally = self.tally
         try:
             async with contextlib.aclosing(stream):

@@ -18,6 +18,7 @@ from cadenza.sampling_params import SamplingParams
 from cadenza.structured_outputs import StructuredOutputs
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -27,7 +28,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 # Accepted, and without effect on what is generated: said so in a header, and logged.
 IGNORED = (
-    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "reasoning_effort", "verbosity",
+    "store", "metadata", "safety_identifier", "reasoning_effort", "verbosity",
     "spaces_between_special_tokens",
 )  # fmt: skip
 # spaces_between_special_tokens (vLLM) changes only slow tokenizers' decoding; fast ones,
@@ -132,8 +133,12 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # IGNORED (any value; none changes what is generated)
     store: Any = None
     metadata: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
+    # Scheduling (gateway/scheduling.py): priority (vLLM's; lower runs first), OpenAI's
+    # service_tier ("flex" is batch work), and prompt_cache_key as the conversation whose
+    # prefix stays pinned between turns.
+    priority: Priority | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
     safety_identifier: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None

@@ -59,6 +59,9 @@ class ResponseCreate(msgspec.Struct, tag="response.create", tag_field="type"):
     # /v1/responses/{id}?stream=true&starting_after=N, cancelled only by a cancel.
     background: bool = False
     stream: bool = False  # POST /v1/responses only (the websocket always streams)
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None  # lower runs first
+    service_tier: str | None = None  # "flex": batch work (gateway/scheduling.py)
+    prompt_cache_key: str | None = None  # the conversation (default: the previous_response_id chain's)
 
 
 class ResponseSteer(msgspec.Struct, tag="response.steer", tag_field="type"):

@@ -96,7 +96,15 @@ class ResponseRun:
         state = self.socket.state
         salt = tenant_salt(presented_key(self.socket.headers), self.job.create.cache_salt)
         prepared = self.prepared
-        stream = state.generate(prepared.prompt_ids, prepared.params, prepared.response_id, True, salt)
+        stream = state.generate(
+            prepared.prompt_ids,
+            prepared.params,
+            prepared.response_id,
+            True,
+            salt,
+            prepared.priority,
+            prepared.session_id,
+        )
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
                 out = self.tally.add(delta)
@@ -146,7 +154,9 @@ class ResponseRun:
         turn: p.Json = {"role": "assistant", "content": text}
         if self.calls:
             turn["tool_calls"] = [c.to_openai() for c in self.calls]
-        self.socket.state.store.put(self.prepared.response_id, self.prepared.messages + [turn])
+        self.socket.state.store.put(
+            self.prepared.response_id, self.prepared.messages + [turn], self.prepared.session_id
+        )
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
         status = "completed" if complete else ("cancelled" if finish == "cancelled" else "incomplete")
         fields = {

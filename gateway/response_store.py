@@ -19,6 +19,7 @@ Message = dict[str, Any]  # {"role": ..., "content": ...}, and tool_calls / tool
 class StoredResponse:
     response_id: str
     messages: list[Message]
+    session_id: str | None = None  # the conversation's, handed on to its continuations
     stored_at: float = field(default_factory=time.monotonic)
 
 
@@ -28,8 +29,8 @@ class ResponseStore:
         self.ttl_s = ttl_s
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response_id: str, messages: list[Message]) -> None:
-        self._items[response_id] = StoredResponse(response_id, messages)
+    def put(self, response_id: str, messages: list[Message], session_id: str | None = None) -> None:
+        self._items[response_id] = StoredResponse(response_id, messages, session_id)
         self._items.move_to_end(response_id)
         while len(self._items) > self.max_size:
             self._items.popitem(last=False)

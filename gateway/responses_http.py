@@ -56,7 +56,7 @@ class ResponsesHttp:
             code, message = admission.refusal(client)
             return error_response(429, message, code, **{"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})
         try:
-            prepared = await self.state.prepare(create)
+            prepared = await self.state.prepare(create, headers=request.headers)
         except Exception as e:
             admission.release(client)
             return _refusal(e)

@@ -294,7 +294,7 @@ class ResponsesSocket:
         `response.failed` after) and the lane goes on; the place is released by job_done."""
         create, sid = job.create, job.create.stream_id
         try:
-            prepared = await self.state.prepare(create)
+            prepared = await self.state.prepare(create, headers=self.headers)
             run = ResponseRun(self, job, prepared)
         except Exception as e:
             await self.send(_prepare_error(e), sid)

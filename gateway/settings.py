@@ -57,6 +57,8 @@ class GatewaySettings:
         dropped stream: at most this many responses (the oldest finished first), each for
         this long after it ends, each keeping at most this many events (one per token, about;
         a longer response streams on but cannot be replayed).
+    batch_priority: the priority of requests marked `service_tier: "flex"` (batch work);
+        interactive ones run at 0, and lower runs first.
     tool_call_parser: how tool calls are read from a reply under tool_choice auto (hermes,
         llama3, mistral; auto recognises the model's format from its chat template, and takes
         hermes for a template that knows no tools, which the prompt then teaches).
@@ -88,6 +90,7 @@ class GatewaySettings:
     default_max_output_tokens: int = 512
     stream_pacing: bool = False
     tool_call_parser: str = "auto"
+    batch_priority: int = 10
     response_log_size: int = 256
     response_log_ttl_s: float = 600.0
     response_log_max_events: int = 16384

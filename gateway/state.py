@@ -23,6 +23,7 @@ from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.response_events import ResponseLogs
 from cadenza.gateway.response_format import combined, from_text_format
 from cadenza.gateway.response_store import Message, ResponseStore
+from cadenza.gateway.scheduling import request_priority
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.tool_calls import parser_for
 from cadenza.gateway.tracing import Tracing
@@ -46,6 +47,8 @@ class PreparedResponse:
     prompt_ids: list[int]
     params: SamplingParams
     tools: tool_choice.ToolPlan | None = None  # function calls read from the reply
+    session_id: str | None = None  # the conversation (its prefix KV is pinned between turns)
+    priority: int = 0
 
 
 class GatewayState:
@@ -72,12 +75,16 @@ class GatewayState:
         request_id: str,
         stream: bool,
         cache_salt: str | None = None,
+        priority: int = 0,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's deltas, paced when stream_pacing is set and the client reads a stream."""
         pace = stream and self.settings.stream_pacing
+        prompt = {"prompt_token_ids": prompt_ids}
         deltas = self.engine.generate(
-            {"prompt_token_ids": prompt_ids}, params, request_id=request_id, pace=pace, cache_salt=cache_salt
-        )
+            prompt, params, request_id=request_id, pace=pace, cache_salt=cache_salt, priority=priority,
+            session_id=session_id,
+        )  # fmt: skip
         return self.drain.track(deltas)
 
     def check(self, params: SamplingParams, prompt_ids: list[int], param: str) -> None:
@@ -90,7 +97,9 @@ class GatewayState:
         except ValueError as e:
             raise RequestError(str(e), "invalid_request", param) from None
 
-    async def prepare(self, create: ResponseCreate, response_id: str | None = None) -> PreparedResponse:
+    async def prepare(
+        self, create: ResponseCreate, response_id: str | None = None, headers: Any = None
+    ) -> PreparedResponse:
         """Runs after admission. The chat template and the tokenizer run in a worker thread: a
         long conversation takes them many milliseconds, which on the loop would stall every
         socket. The store and the checks stay on the loop (the store is not thread-safe)."""
@@ -101,7 +110,9 @@ class GatewayState:
             raise RequestError(str(e), "invalid_input", "input") from None
         if not new or not any(m["content"] for m in new):
             raise RequestError("input is required and must not be empty", "missing_input", "input")
-        messages = self._history(create.previous_response_id) + new
+        history, session = self._history(create.previous_response_id)
+        messages = history + new
+        response_id = response_id or new_id("resp")
         system = [{"role": "system", "content": create.instructions}] if create.instructions else []
         chat = as_chat_request(create, system + messages)
         tools, shown = tool_choice.plan(chat, self.tool_parser)
@@ -109,7 +120,9 @@ class GatewayState:
         grammar = combined(from_text_format(create.text), tool_choice.grammar(tools, chat))
         params = self._params(create, len(prompt_ids), grammar)
         self.check(params, prompt_ids, "input")
-        return PreparedResponse(response_id or new_id("resp"), messages, prompt_ids, params, tools)
+        session = create.prompt_cache_key or session or response_id
+        priority = request_priority(create.priority, create.service_tier, headers, self.settings.batch_priority)
+        return PreparedResponse(response_id, messages, prompt_ids, params, tools, session, priority)
 
     def _render(self, chat: ChatCompletionRequest, shown: list[dict[str, Any]]) -> list[int]:
         """Prompt token ids of the conversation (thread-safe: the compiled template and the
@@ -118,9 +131,10 @@ class GatewayState:
         text = self.tokenizer.apply_chat_template(turns, True, variables)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _history(self, previous_response_id: str | None) -> list[Message]:
+    def _history(self, previous_response_id: str | None) -> tuple[list[Message], str | None]:
+        """The stored conversation and the session it belongs to."""
         if previous_response_id is None:
-            return []
+            return [], None
         stored = self.store.get(previous_response_id)
         if stored is None:
             raise RequestError(
@@ -129,7 +143,7 @@ class GatewayState:
                 "previous_response_not_found",
                 "previous_response_id",
             )
-        return list(stored.messages)
+        return list(stored.messages), stored.session_id
 
     def check_model(self, requested: str | None) -> None:
         try:

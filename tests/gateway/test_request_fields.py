@@ -57,7 +57,7 @@ def test_openai_fields_without_effect_are_accepted_and_named_back(paced: str) ->
     status, headers, _ = _post(paced + "/v1/chat/completions", body)
     assert status == 200
     named = headers["x-cadenza-ignored-fields"].split(",")
-    assert named == ["store", "metadata", "service_tier", "reasoning_effort", "web_search_options"]
+    assert named == ["store", "metadata", "reasoning_effort", "web_search_options"]
     status, headers, _ = _post(
         paced + "/v1/chat/completions", {"model": DEFAULT_MODEL, "messages": HI, "max_tokens": 1}
     )
