@@ -25,6 +25,7 @@ from cadenza.errors import EngineDeadError
 from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
+from cadenza.gateway.response_store import ConversationStore
 from cadenza.gateway.responses_http import ResponsesHttp
 from cadenza.gateway.responses_ws import ResponsesSocket
 from cadenza.gateway.settings import GatewaySettings
@@ -39,11 +40,14 @@ def build_app(
     settings: GatewaySettings,
     tracer_provider: TracerProvider | None = None,
     check_host: bool = True,
+    store: ConversationStore | None = None,
 ) -> Starlette:
     """tracer_provider: where request spans go (default: as the OTEL_* variables say, else off).
     check_host: refuse a Host header that is not ours (off under Ray Serve unless allowed_hosts
-    is set: its proxy is reached by whatever name the cluster gives it)."""
-    state = GatewayState(engine, model_name, settings, Tracing(tracer_provider or provider_from_env()))
+    is set: its proxy is reached by whatever name the cluster gives it). store: where
+    conversations are kept (default: in this process; Serve replicas share one)."""
+    tracing = Tracing(tracer_provider or provider_from_env())
+    state = GatewayState(engine, model_name, settings, tracing, store)
     page = files("cadenza.gateway").joinpath("static/chat.html").read_text()
     # The page is public (see http_guard.PUBLIC_PATHS): with a key set it names no model either;
     # it learns the name from its first response. No Referer can carry a key from its address.
@@ -69,7 +73,7 @@ def build_app(
         # what `cadenza bench serve` reads the serving tree's memory of.
         gateway = {
             "in_flight": state.admission.in_flight,
-            "stored_responses": len(state.store),
+            "stored_responses": await state.store.size(),
             "logged_responses": len(state.logs),
             "gateway_pid": os.getpid(),
         }

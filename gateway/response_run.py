@@ -154,7 +154,7 @@ class ResponseRun:
         turn: p.Json = {"role": "assistant", "content": text}
         if self.calls:
             turn["tool_calls"] = [c.to_openai() for c in self.calls]
-        self.socket.state.store.put(
+        await self.socket.state.store.put(
             self.prepared.response_id, self.prepared.messages + [turn], self.prepared.session_id
         )
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)

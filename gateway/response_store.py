@@ -3,24 +3,37 @@
 A stored response holds the whole conversation up to and including its own output; a
 continuation renders that plus the new input through the chat template, so the earlier
 turns are an exact token prefix and come out of the engine's prefix cache.
+
+ResponseStore is the bounded LRU itself. The gateway reaches it through a ConversationStore:
+LocalStore in its own process (`cadenza serve`), or shared_store.SharedStore, one detached
+Ray actor every Serve replica reads, so a conversation the router moves to another replica
+still finds its history there (its prefix KV is then recomputed on the new replica).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import msgspec
 
 Message = dict[str, Any]  # {"role": ..., "content": ...}, and tool_calls / tool_call_id on tool turns
 
 
-@dataclass(slots=True)
-class StoredResponse:
+class StoredResponse(msgspec.Struct):
     response_id: str
     messages: list[Message]
     session_id: str | None = None  # the conversation's, handed on to its continuations
-    stored_at: float = field(default_factory=time.monotonic)
+    stored_at: float = msgspec.field(default_factory=time.monotonic)
+
+
+class ConversationStore(Protocol):
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def put(self, response_id: str, messages: list[Message], session_id: str | None = None) -> None: ...
+
+    async def size(self) -> int: ...
 
 
 class ResponseStore:
@@ -47,3 +60,19 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class LocalStore:
+    """The store in this process (one gateway, or tests)."""
+
+    def __init__(self, max_size: int, ttl_s: float) -> None:
+        self.store = ResponseStore(max_size, ttl_s)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return self.store.get(response_id)
+
+    async def put(self, response_id: str, messages: list[Message], session_id: str | None = None) -> None:
+        self.store.put(response_id, messages, session_id)
+
+    async def size(self) -> int:
+        return len(self.store)

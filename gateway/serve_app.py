@@ -32,6 +32,7 @@ from cadenza.actors.async_llm import AsyncLLM
 from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
 from cadenza.gateway.settings import GatewaySettings
+from cadenza.gateway.shared_store import SharedStore
 
 REPLICA_HEADER = "x-cadenza-replica"
 API_KEY_ENV = "CADENZA_API_KEY"
@@ -53,7 +54,10 @@ class CadenzaDeployment:
         # The Host check is on only where gateway.allowed_hosts names the hosts: clients reach
         # Serve's proxy by whatever name the cluster (Service, Ingress) gives it, unknown here.
         check_host = bool(self.settings.allowed_hosts)
-        app = build_gateway(self.engine, self.model_name, self.settings, check_host=check_host)
+        # One conversation store for every replica: a session the router moves still finds
+        # its history (its prefix KV is recomputed where it lands).
+        store = SharedStore(self.settings.response_store_size, self.settings.response_store_ttl_s)
+        app = build_gateway(self.engine, self.model_name, self.settings, check_host=check_host, store=store)
         return _ReplicaHeader(app, self.replica_id)
 
     async def check_health(self) -> None:

@@ -22,7 +22,7 @@ from cadenza.gateway.protocol import ResponseCreate, input_messages
 from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.response_events import ResponseLogs
 from cadenza.gateway.response_format import combined, from_text_format
-from cadenza.gateway.response_store import Message, ResponseStore
+from cadenza.gateway.response_store import ConversationStore, LocalStore, Message
 from cadenza.gateway.scheduling import request_priority
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.tool_calls import parser_for
@@ -52,13 +52,20 @@ class PreparedResponse:
 
 
 class GatewayState:
-    def __init__(self, engine: EngineClient, model_name: str, settings: GatewaySettings, tracing: Tracing) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_name: str,
+        settings: GatewaySettings,
+        tracing: Tracing,
+        store: ConversationStore | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.settings = settings
         self.admission = Admission(settings)
         self.drain = Drain(self.admission)  # shutdown: refuse new work, end what outlives the drain
-        self.store = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
+        self.store = store or LocalStore(settings.response_store_size, settings.response_store_ttl_s)
         s = settings
         self.logs = ResponseLogs(s.response_log_size, s.response_log_ttl_s, s.response_log_max_events)
         self.tokenizer = engine.get_tokenizer()
@@ -110,7 +117,7 @@ class GatewayState:
             raise RequestError(str(e), "invalid_input", "input") from None
         if not new or not any(m["content"] for m in new):
             raise RequestError("input is required and must not be empty", "missing_input", "input")
-        history, session = self._history(create.previous_response_id)
+        history, session = await self._history(create.previous_response_id)
         messages = history + new
         response_id = response_id or new_id("resp")
         system = [{"role": "system", "content": create.instructions}] if create.instructions else []
@@ -131,11 +138,11 @@ class GatewayState:
         text = self.tokenizer.apply_chat_template(turns, True, variables)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _history(self, previous_response_id: str | None) -> tuple[list[Message], str | None]:
+    async def _history(self, previous_response_id: str | None) -> tuple[list[Message], str | None]:
         """The stored conversation and the session it belongs to."""
         if previous_response_id is None:
             return [], None
-        stored = self.store.get(previous_response_id)
+        stored = await self.store.get(previous_response_id)
         if stored is None:
             raise RequestError(
                 f"previous response {previous_response_id!r} not found (responses are kept for "

@@ -126,6 +126,30 @@ def test_two_replicas_serve_http_and_websockets_with_session_affinity(two_replic
     assert len(spread) == 2  # sessions spread over both replicas
 
 
+@pytest.mark.slow
+def test_a_moved_session_continues_with_previous_response_id(two_replicas: str) -> None:
+    """The conversation store is shared: a turn the router sends to the other replica still
+    finds its history there (and recomputes its prefix KV, having none of it cached)."""
+    client = openai.OpenAI(base_url=two_replicas + "/v1", api_key="none")
+    ask = dict(model="tiny", max_output_tokens=4, temperature=0)
+    raw = client.responses.with_raw_response.create(
+        input="My name is Ada.", extra_headers={"x-session-id": "ada"}, **ask
+    )
+    home, first = raw.headers["x-cadenza-replica"], raw.parse()
+    for i in range(20):  # new session ids go to the replica home to fewer sessions: soon the other
+        raw = client.responses.with_raw_response.create(
+            input="What is my name?", previous_response_id=first.id, extra_headers={"x-session-id": f"moved-{i}"}, **ask
+        )
+        if raw.headers["x-cadenza-replica"] != home:
+            break
+    assert raw.headers["x-cadenza-replica"] != home
+    moved = raw.parse()
+    assert moved.previous_response_id == first.id and moved.usage.input_tokens > first.usage.input_tokens
+    # No KV of this conversation there: its first turn is recomputed (a shared system-prompt
+    # block may still hit the new replica's cache).
+    assert moved.usage.input_tokens_details.cached_tokens < (first.usage.input_tokens // 16) * 16
+
+
 def _stats(url: str, session: str) -> tuple[str, dict]:
     request = urllib.request.Request(url + "/stats", headers={"x-session-id": session})
     with urllib.request.urlopen(request, timeout=60) as r:
