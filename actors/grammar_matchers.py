@@ -55,6 +55,19 @@ class GrammarMatchers:
         # One thread: masks of one step are a few 0.1 ms; a pool would only add contention.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar") if overlap else None
 
+    @property
+    def overlap(self) -> bool:
+        """Masks computed in a thread during the forward pass (else inline, before sampling)."""
+        return self._pool is not None
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        if on and self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        elif not on and self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     @cached_property
     def lltokenizer(self) -> LLTokenizer:
         """Built on first use (~0.3 s for a 49k vocabulary), not at load: most engines never

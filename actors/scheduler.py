@@ -333,7 +333,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
-        if req.finish_reason != "error":
+        if req.finish_reason in ("stop", "length"):  # a turn that ended; an aborted one frees all
             self.kv.pin_session(req)
         self.kv.forget(req)
         self.finished_ids.append(req.request_id)

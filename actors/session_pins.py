@@ -30,7 +30,8 @@ class SessionPins:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(blocks) for blocks, _ in self._pins.values())
+        """Distinct blocks: sessions that share a prefix (a system prompt) pin it once."""
+        return len({b.block_id for blocks, _ in self._pins.values() for b in blocks})
 
     def pinned(self, session: str) -> list[int]:
         entry = self._pins.get(session)

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from cadenza import LLM, SamplingParams
+from cadenza.actors.llm import LLM
 from cadenza.benchmarks.offline import measure_gemm_gflops, measure_read_gbps
+from cadenza.sampling_params import SamplingParams
 
 HISTORY = [{"role": "user", "content": "Here is a long document about lighthouses. " * 60}]
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)

@@ -25,6 +25,7 @@ class ChatTokenizer(Protocol):
     """The tokenizer calls the gateway makes (cadenza.models.tokenizer.Tokenizer has them)."""
 
     eos_token_ids: tuple[int, ...]
+    chat_template: str | None  # read for tool support (does it render tools itself?)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -32,7 +33,12 @@ class ChatTokenizer(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
+    ) -> str: ...
 
 
 class EngineClient(Protocol):

@@ -68,6 +68,15 @@ class ResponseEvents:
                 return
             await self._changed.wait()
 
+    async def wait_for(self, count: int) -> None:
+        """Until `count` events were appended (kept or not) or the response ended."""
+        while self.count < count and not self.done:
+            await self._changed.wait()
+
+    async def wait_done(self) -> None:
+        while not self.done:
+            await self._changed.wait()
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()

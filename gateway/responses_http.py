@@ -72,8 +72,7 @@ class ResponsesHttp:
             on_close = None if create.background else task.cancel  # a foreground reader owns its run
             return FollowingStream(_sse(log, -1), on_close)
         if create.background:  # answered at once: the response as created, then poll or resume
-            async for _ in log.follow():
-                break
+            await log.wait_for(1)
             return JSONResponse(log.response)
         try:
             await asyncio.wait({task})
@@ -102,8 +101,7 @@ class ResponsesHttp:
         if log is None:
             return _not_found(request)
         log.cancel()
-        async for _ in log.follow(len(log.events) - 1 if log.events else -1):
-            pass  # until its terminal event
+        await log.wait_done()  # its terminal event carries the cancelled response
         return JSONResponse(log.response)
 
     def _log(self, request: Request) -> ResponseEvents | None:

@@ -86,19 +86,37 @@ COMPLETION_VALUES = {
 }  # fmt: skip
 
 
+RESPONSES_VALUES = {
+    "access_programs": [], "background": False, "background_options": {}, "context_management": [],
+    "conversation": "conv_1", "image": None, "include": ["message.output_text.logprobs"], "input": "hi",
+    "instructions": "Be brief.", "max_output_tokens": 2, "max_tool_calls": 1, "metadata": {"k": "v"},
+    "model": DEFAULT_MODEL, "moderation": None, "parallel_tool_calls": True, "previous_response_id": None,
+    "prompt": {"id": "pmpt_1"}, "prompt_cache_key": "k", "prompt_cache_options": {}, "prompt_cache_retention": "24h",
+    "reasoning": {"effort": "low"}, "safety_identifier": "s", "service_tier": "auto", "store": True,
+    "stream_options": {"include_obfuscation": False}, "temperature": 0.5, "text": {"format": {"type": "json_object"}},
+    "tool_choice": "auto", "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
+    "top_logprobs": 2, "top_p": 0.9, "truncation": "disabled", "user": "u",
+}  # fmt: skip
+BASES = {
+    "/v1/chat/completions": {"model": DEFAULT_MODEL, "messages": HI, "max_tokens": 2},
+    "/v1/completions": {"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2},
+    "/v1/responses": {"model": DEFAULT_MODEL, "input": "hi", "max_output_tokens": 2},
+}
+
+
 @pytest.mark.parametrize(
     "path,params,values",
     [
         ("/v1/chat/completions", openai.types.chat.completion_create_params.CompletionCreateParamsBase, CHAT_VALUES),
         ("/v1/completions", openai.types.completion_create_params.CompletionCreateParamsBase, COMPLETION_VALUES),
+        ("/v1/responses", openai.types.responses.response_create_params.ResponseCreateParamsBase, RESPONSES_VALUES),
     ],
 )
 def test_every_openai_request_field_is_accepted(paced: str, path: str, params: type, values: dict) -> None:
     fields = set(typing.get_type_hints(params))
     assert fields <= set(values), f"fields the openai package added: {sorted(fields - set(values))}"
-    required = {"model": DEFAULT_MODEL, **({"messages": HI} if "chat" in path else {"prompt": "hi"})}
     for field in sorted(fields):
-        status, _, body = _post(paced + path, {**required, "max_tokens": 2, field: values[field]})
+        status, _, body = _post(paced + path, {**BASES[path], field: values[field]})
         assert status == 200, (field, body)
 
 

@@ -217,7 +217,9 @@ class StrictTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None
+    ) -> str:
         self.renders += 1
         if self.gate is not None and not self.gate.wait(GUARD_S):
             self.gate_timed_out = True
