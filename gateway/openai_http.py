@@ -23,6 +23,7 @@ from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
+from cadenza.gateway.logprob_entries import LogprobEntries, completion_logprobs
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cadenza.gateway.response_format import combined, requested_grammar
@@ -216,6 +217,7 @@ class _Run:
         self.echo_only = self.echo and body.echo_only
         self.tools: tool_choice.ToolPlan | None = None  # set by the route: calls read from the reply
         self.priority = 0  # set by the route (gateway/scheduling.py)
+        self.logprobs = LogprobEntries(state.tokenizer, params.logprobs, body.return_tokens_as_token_ids)
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
         state, body = self.state, self.body
@@ -268,7 +270,7 @@ class _Run:
             first = first or delta
             out = delta.outputs[0]
             echoed = echoed or (self._echoed(delta) if self.echo else None)
-            logprobs.setdefault(out.index, []).extend(self._logprob_entries(out))
+            logprobs.setdefault(out.index, []).extend(self.logprobs.of_output(out))
         texts, reasons = dict(self.tally.texts), self.tally.reasons
         if echoed is not None:
             prompt_text, prompt_entries = echoed
@@ -278,22 +280,9 @@ class _Run:
         choices = [self._choice(i, texts[i], logprobs[i], reasons.get(i), final=True) for i in sorted(texts)]
         body = self._envelope(choices, usage=self.usage())
         if self.body.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self._prompt_logprobs(first)
+            positions = (first.prompt_logprobs if first else None) or [None] * len(self.prompt_ids)
+            body["prompt_logprobs"] = self.logprobs.vllm_prompt_logprobs(positions)
         return body
-
-    def _prompt_logprobs(self, delta: RequestOutput | None) -> list[dict[str, Any] | None]:
-        """vLLM's shape: per prompt token (the first has none) its candidates by token id."""
-        positions = (delta.prompt_logprobs if delta else None) or [None] * len(self.prompt_ids)
-        token_text = self.state.tokenizer.token_text
-        return [
-            None
-            if pos is None
-            else {
-                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}
-                for t, lp in pos.items()
-            }
-            for pos in positions
-        ]
 
     def _echoed(self, delta: RequestOutput) -> tuple[str, list[dict[str, Any]]]:
         """The prompt's text and, when logprobs were asked, an entry per prompt token (the
@@ -302,13 +291,7 @@ class _Run:
         if self.params.logprobs is None:
             return prompt, []
         positions = delta.prompt_logprobs or [None] * len(self.prompt_ids)
-        entries = []
-        for token_id, position in zip(self.prompt_ids, positions):
-            if position is None:
-                entries.append({**self._entry(token_id, None), "top_logprobs": None})
-                continue
-            entries.append(self._position_entry(token_id, position))
-        return prompt, entries
+        return prompt, self.logprobs.of_prompt(self.prompt_ids, positions)
 
     async def sse(self) -> AsyncIterator[str]:
         options = self.body.stream_options
@@ -334,7 +317,7 @@ class _Run:
                     for chunk in self._tool_chunks(out, tool_streams):
                         yield _sse(self._envelope([chunk], usage=self.usage() if running else None, chunk=True))
                     continue
-                choice = self._choice(out.index, out.text, self._logprob_entries(out), out.finish_reason, final=False)
+                choice = self._choice(out.index, out.text, self.logprobs.of_output(out), out.finish_reason, final=False)
                 yield _sse(self._envelope([choice], usage=self.usage() if running else None, chunk=True))
             if include_usage:
                 yield _sse(self._envelope([], usage=self.usage(), chunk=True))
@@ -385,44 +368,8 @@ class _Run:
                 message, finish = self._message(text, reason)
                 return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
             return {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": finish}
-        lp = _completion_logprobs(logprobs) if wants else None
+        lp = completion_logprobs(logprobs) if wants else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-
-    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        """One token's logprob entry; vLLM's return_tokens_as_token_ids names it token_id:<id>."""
-        if self.body.return_tokens_as_token_ids:
-            text = f"token_id:{token_id}"
-        else:
-            text = self.state.tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def _logprob_entries(self, out: Any) -> list[dict[str, Any]]:
-        if not out.logprobs:
-            return []
-        entries = []
-        for token_id, position in zip(out.token_ids, out.logprobs):
-            entries.append(self._position_entry(token_id, position))
-        return entries
-
-    def _position_entry(self, token_id: int, position: Any) -> dict[str, Any]:
-        """The token at one position with its top_logprobs: the chosen token plus the top-k,
-        each once with its true rank, so the k best by rank."""
-        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: self.params.logprobs]
-        entry = self._entry(token_id, position[token_id].logprob)
-        entry["top_logprobs"] = [self._entry(t, lp.logprob) for t, lp in ranked]
-        return entry
-
-
-def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [
-            None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
-            for e in entries
-        ],
-        "text_offset": [],
-    }
 
 
 def _sse(payload: dict[str, Any]) -> str:

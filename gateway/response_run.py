@@ -1,6 +1,8 @@
-"""The event sequence of one websocket response, from response.created to its terminal
-event (`response.completed`, `response.incomplete` or `response.failed`), whatever ends it:
-the last token, a cancel, a steer, a closed socket or any failure.
+"""The event sequence of one response, from response.created to its terminal event
+(`response.completed`, `response.incomplete` or `response.failed`), whatever ends it: the
+last token, a cancel, a steer, a closed socket or any failure. Every event goes to the
+response's log (for replay) and to its transport: the websocket it was created on, or
+nothing over HTTP, whose readers follow the log.
 """
 
 from __future__ import annotations
@@ -9,19 +11,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import protocol as p
 from cadenza.gateway.observe import Observation
-from cadenza.gateway.state import PreparedResponse, new_id, tenant_salt
+from cadenza.gateway.state import GatewayState, PreparedResponse, new_id, tenant_salt
 from cadenza.gateway.stream_tally import StreamTally
 from cadenza.gateway.tool_calls import ToolCall
 from cadenza.gateway.tool_choice import ToolDeltas
 from cadenza.request_limits import presented_key
 
 if TYPE_CHECKING:  # the socket owns its runs; only the types cross back
-    from cadenza.gateway.responses_ws import Job, ResponsesSocket
+    from cadenza.gateway.responses_ws import Job
+
+
+class Transport(Protocol):
+    """Where a run's events go besides its log (responses_ws.ResponsesSocket, or
+    responses_http's log-only transport)."""
+
+    state: GatewayState
+    headers: Any
+
+    async def send(self, event: p.Json, stream_id: str | None = None) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +42,15 @@ log = logging.getLogger(__name__)
 class ResponseRun:
     """The event sequence of one response, from response.created to its terminal event."""
 
-    def __init__(self, socket: ResponsesSocket, job: Job, prepared: PreparedResponse) -> None:
-        self.socket, self.job, self.prepared = socket, job, prepared
+    def __init__(self, transport: Transport, job: Job, prepared: PreparedResponse) -> None:
+        self.transport, self.job, self.prepared = transport, job, prepared
         self.sid = job.create.stream_id
         self.item_id = new_id("msg")
         self.created_at = p.now()
-        state = socket.state
+        state = transport.state
         self.log = state.logs.open(prepared.response_id)  # for replay, whatever the transport
         self.log.cancel = self.cancel
-        self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", socket.headers, prepared.params))
+        self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", transport.headers, prepared.params))
         self.tally.observation.span.messages(prepared.messages)
         # Tools: under auto the reply's content streams and its calls are read as it goes;
         # a grammar-made reply (required, a named function) is all calls, read at the end.
@@ -48,13 +61,13 @@ class ResponseRun:
 
     def response(self, status: str, output: list[p.Json], **fields: Any) -> p.Json:
         r = p.response_object(
-            self.prepared.response_id, self.socket.state.model_name, status, self.job.create, output, self.created_at
+            self.prepared.response_id, self.transport.state.model_name, status, self.job.create, output, self.created_at
         )
         return {**r, **fields}
 
     async def emit(self, event: p.Json) -> None:
         self.log.append(event)
-        await self.socket.send(event, self.sid)
+        await self.transport.send(event, self.sid)
 
     def cancel(self) -> None:
         """A cancel from outside its socket (HTTP); past its stream it completes as it is."""
@@ -93,8 +106,8 @@ class ResponseRun:
             return "steered" if self.job.steer_input is not None else "cancelled"
 
     async def stream(self, item: p.Json) -> str:
-        state = self.socket.state
-        salt = tenant_salt(presented_key(self.socket.headers), self.job.create.cache_salt)
+        state = self.transport.state
+        salt = tenant_salt(presented_key(self.transport.headers), self.job.create.cache_salt)
         prepared = self.prepared
         stream = state.generate(
             prepared.prompt_ids,
@@ -154,7 +167,7 @@ class ResponseRun:
         turn: p.Json = {"role": "assistant", "content": text}
         if self.calls:
             turn["tool_calls"] = [c.to_openai() for c in self.calls]
-        await self.socket.state.store.put(
+        await self.transport.state.store.put(
             self.prepared.response_id, self.prepared.messages + [turn], self.prepared.session_id
         )
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
@@ -205,4 +218,4 @@ class ResponseRun:
             "tokens_per_s": rate,
             "cached_tokens": self.tally.cached_tokens,
         }
-        return {**timings, **obs.acceptance()} if self.socket.state.speculative else timings
+        return {**timings, **obs.acceptance()} if self.transport.state.speculative else timings
