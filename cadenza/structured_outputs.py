@@ -45,6 +45,10 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
                 self.json = jsonlib.loads(self.json)
             except jsonlib.JSONDecodeError as e:
                 raise ValueError(f"{self.source}: the JSON schema is not JSON: {e}") from None
+        if self.json is True:  # the schema `true`: any JSON value
+            self.json = {}
+        if self.json is False:
+            raise ValueError(f"{self.source}: the JSON schema `false` matches nothing")
         if self.choice is not None and not self.choice:
             raise ValueError(f"{self.source}: choice must list at least one string")
         self.check()

@@ -118,6 +118,8 @@ def input_messages(value: Input | None) -> list[Json]:
 
 
 def _message(m: InputMessage) -> Json:
+    if m.type != "message":
+        raise ValueError(f"unsupported input item type {m.type!r}: message, function_call or function_call_output")
     if m.role not in ("user", "assistant", "system", "developer"):
         raise ValueError(f"unsupported input role {m.role!r}")
     if isinstance(m.content, str) or m.content is None:

@@ -190,9 +190,9 @@ class GatewayState:
 def as_chat_request(create: ResponseCreate, messages: list[Message]) -> ChatCompletionRequest:
     """A Responses request as the chat-completions request it amounts to, so both APIs share
     one tool and template path (Responses tools are flat: {type, name, parameters})."""
-    tools = [
-        {"type": t.get("type"), "function": {k: v for k, v in t.items() if k != "type"}} for t in create.tools or []
-    ]
+    if any(t.get("type") != "function" for t in create.tools or []):
+        raise RequestError("only tools of type function are supported", "invalid_request", "tools")
+    tools = [{"type": "function", "function": _without(t, "type")} for t in create.tools or []]
     body = {"messages": messages, "tools": tools or None, "tool_choice": create.tool_choice}
     try:
         return msgspec.convert({**body, "parallel_tool_calls": create.parallel_tool_calls}, ChatCompletionRequest)

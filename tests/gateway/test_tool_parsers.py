@@ -174,3 +174,31 @@ def test_tool_choice_none_leaves_tools_out_and_bad_choices_are_400() -> None:
     legacy = _body({"tools": None, "functions": [{"name": "get_weather"}], "function_call": {"name": "get_weather"}})
     tool_plan, _ = plan(legacy, "hermes")
     assert tool_plan is not None and (tool_plan.mode, tool_plan.name) == ("named", "get_weather")
+
+
+def test_responses_tools_and_items_are_refused_with_their_reason() -> None:
+    from cadenza.gateway.protocol import InputMessage, ResponseCreate, input_messages
+    from cadenza.gateway.state import as_chat_request
+
+    with pytest.raises(ValueError, match="only tools of type function"):
+        as_chat_request(ResponseCreate(input="hi", tools=[{"type": "web_search_preview"}]), [])
+    with pytest.raises(ValueError, match="unsupported input item type 'reasoning'"):
+        input_messages([InputMessage(type="reasoning")])
+    turns = input_messages(
+        [
+            InputMessage(role="user", content="hi"),
+            InputMessage(type="function_call", call_id="c1", name="f", arguments="{}"),
+            InputMessage(type="function_call", call_id="c2", name="g", arguments="{}"),
+            InputMessage(type="function_call_output", call_id="c1", output="1"),
+        ]
+    )
+    assert [t["role"] for t in turns] == ["user", "assistant", "tool"]  # the two calls share one turn
+    assert [c["id"] for c in turns[1]["tool_calls"]] == ["c1", "c2"]
+
+
+def test_json_schema_true_and_false() -> None:
+    from cadenza.structured_outputs import StructuredOutputs
+
+    assert StructuredOutputs(json=True).json == {}  # any JSON value
+    with pytest.raises(ValueError, match="matches nothing"):
+        StructuredOutputs(json=False)
