@@ -80,8 +80,8 @@ class GrammarMatchers:
         return LLTokenizer(backend.to_str(), n_vocab=backend.get_vocab_size(), eos_token=list(self._eos))
 
     def start(self, queries: Sequence[GrammarQuery]) -> Future | dict:
-        """Begin this step's masks: a future (overlap on) or the masks themselves."""
-        queries = [q for q in queries if q.params.structured_outputs is not None]
+        """Begin this step's masks (queries of requests with a grammar): a future (overlap on)
+        or the masks themselves."""
         if self._pool is None or not queries:
             return self.masks(queries)
         return self._pool.submit(self.masks, queries)

@@ -184,7 +184,12 @@ class ModelRunner:
     def _start_masks(self, batch: Batch) -> Future | GrammarMasks:
         if self.grammar is None:
             return {}
-        queries = [GrammarQuery(r.req_id, r.params, r.output_ids, r.spec_token_ids) for r in batch.sampling]
+        # Only requests with a grammar: the others pay nothing (not even the output slice).
+        queries = [
+            GrammarQuery(r.req_id, r.params, r.output_ids, r.spec_token_ids)
+            for r in batch.sampling
+            if r.params.structured_outputs is not None
+        ]
         return self.grammar.start(queries)
 
     def _grammar_masks(self) -> GrammarMasks:
@@ -204,8 +209,6 @@ class ModelRunner:
             self._drop(rid)
         for new in so.new_requests:
             self.requests[new.req_id] = RunnerRequest.from_new(new)
-            if self.grammar is not None:
-                self.grammar.drop(new.req_id)  # resumed after preemption: follow it afresh
             if self.proposer is not None:
                 self.proposer.start(new.req_id, new.num_computed_tokens)
         for delta in so.cached_requests:

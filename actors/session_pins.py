@@ -12,7 +12,7 @@ every later turn needs first).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from cadenza.actors.block_pool import BlockPool, KVBlock
@@ -27,11 +27,12 @@ class SessionPins:
         self.ttl_s = ttl_s
         self.clock = clock
         self._pins: OrderedDict[str, tuple[list[KVBlock], float]] = OrderedDict()  # session -> (blocks, expiry)
+        # Pins per block id: sessions that share a prefix (a system prompt) hold it once.
+        self._held: Counter[int] = Counter()
 
     @property
     def num_pinned_blocks(self) -> int:
-        """Distinct blocks: sessions that share a prefix (a system prompt) pin it once."""
-        return len({b.block_id for blocks, _ in self._pins.values() for b in blocks})
+        return len(self._held)
 
     def pinned(self, session: str) -> list[int]:
         entry = self._pins.get(session)
@@ -45,12 +46,15 @@ class SessionPins:
         self.pool.touch(blocks)  # before the old pin lets go: shared blocks never hit the free queue
         self.unpin(session)
         self._pins[session] = (blocks, self.clock() + self.ttl_s)
+        self._held.update(b.block_id for b in blocks)
         while self.num_pinned_blocks > self.max_blocks:
             self.unpin(next(iter(self._pins)))
 
     def unpin(self, session: str) -> None:
         entry = self._pins.pop(session, None)
         if entry is not None:
+            self._held.subtract(b.block_id for b in entry[0])
+            self._held += Counter()  # drops the ids no pin holds any more
             self.pool.release(entry[0][::-1])  # tail first, as a request frees: the prefix stays cached longest
 
     def expire(self) -> None:

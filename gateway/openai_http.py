@@ -56,6 +56,12 @@ class OpenAIHttp:
             body = await read_json(request, kind, self.state.settings)
         except BodyError as e:
             return error_response(e.status, str(e), e.code)
+        try:
+            priority = request_priority(
+                body.priority, body.service_tier, request.headers, self.state.settings.batch_priority
+            )
+        except RequestError as e:
+            return _refusal(e)
         admission = self.state.admission
         client = admission.client(presented_key(request.headers), request.client and request.client.host)
         if not admission.try_acquire(client):  # before the template and tokenizer run
@@ -68,14 +74,7 @@ class OpenAIHttp:
             admission.release(client)
             return _refusal(e)
         run = _Run(self.state, body, chat, prompt_ids, params)
-        run.tools = tools
-        try:
-            run.priority = request_priority(
-                body.priority, body.service_tier, request.headers, self.state.settings.batch_priority
-            )
-        except RequestError as e:
-            admission.release(client)
-            return _refusal(e)
+        run.tools, run.priority = tools, priority
         run.client = client
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
         operation = "chat" if chat else "text_completion"

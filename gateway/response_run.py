@@ -151,7 +151,7 @@ class ResponseRun:
             return ""
         parts = self.tool_stream.feed(text) + (self.tool_stream.finish() if last else [])
         shown = "".join(d.get("content") or "" for d in parts)
-        self.calls = self.tool_stream.parser.calls if self.tool_stream.parser else []
+        self.calls = self.tool_stream.sent  # parallel_tool_calls: false keeps the first
         self.content += shown
         return shown
 

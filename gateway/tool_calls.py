@@ -169,7 +169,6 @@ class StreamParser:
         self.buffer = ""  # undecided text
         self.in_call = False
         self.started = False  # any non-space text seen (llama3 calls are the whole reply)
-        self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.buffer += text
@@ -182,9 +181,7 @@ class StreamParser:
         rest, self.buffer = self.buffer, ""
         if self.parser == "hermes" or not rest:
             return rest, []
-        content, calls = parse(self.parser, rest)
-        self.calls += calls
-        return content, calls
+        return parse(self.parser, rest)
 
     def _feed_hermes(self) -> tuple[str, list[ToolCall]]:
         content, calls = [], []
@@ -207,7 +204,6 @@ class StreamParser:
                 break
             content.append(self.buffer[:start])
             self.buffer, self.in_call = self.buffer[start:], True
-        self.calls += calls
         return "".join(content), calls
 
     def _feed_marked(self) -> tuple[str, list[ToolCall]]:

@@ -191,6 +191,7 @@ class ToolDeltas:
         self.parser = tool_plan.stream_parser()
         self.held = ""  # required: the JSON list, read whole at the end
         self.count = 0  # calls sent so far
+        self.sent: list[ToolCall] = []  # the parsed calls among them (a named one has none)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.plan.mode == "named":
@@ -226,4 +227,5 @@ class ToolDeltas:
         for call in calls:
             out.append({"tool_calls": [call.to_openai(index=self.count)]})
             self.count += 1
+            self.sent.append(call)
         return out

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
+from collections.abc import Iterator
 
 import pytest
 from conftest import API_KEY, ARTIFACTS
@@ -17,15 +19,27 @@ def _chromium() -> str:
     return path
 
 
-@pytest.mark.slow
-def test_chat_page_streams_two_turns_and_stops(server) -> None:
+@contextlib.contextmanager
+def _connected_page(server) -> Iterator:  # noqa: ANN001 - the gateway conftest's Server
+    """The chat page in headless Chromium, its websocket connected."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.goto(f"{server.http}/?key={API_KEY}")
-        expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+        try:
+            page = browser.new_page()
+            page.goto(f"{server.http}/?key={API_KEY}")
+            expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+            yield page
+        finally:
+            browser.close()
+
+
+@pytest.mark.slow
+def test_chat_page_streams_two_turns_and_stops(server) -> None:
+    from playwright.sync_api import expect
+
+    with _connected_page(server) as page:
         stored = server.get("/stats")["gateway"]["stored_responses"]
 
         for turn, question in enumerate(["What is 2 + 2?", "And what is 3 + 3?"], start=1):
@@ -47,7 +61,6 @@ def test_chat_page_streams_two_turns_and_stops(server) -> None:
         expect(page.locator("#send")).to_be_enabled()
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
-        browser.close()
     assert (ARTIFACTS / "chat_page.png").stat().st_size > 0
 
 
@@ -61,13 +74,9 @@ WEATHER_TOOL = (
 def test_chat_page_json_mode_and_tool_call_cards(server) -> None:
     import json
 
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.goto(f"{server.http}/?key={API_KEY}")
-        expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+    with _connected_page(server) as page:
         page.check("#json")
         page.fill("#input", "Describe a cat in JSON.")
         page.keyboard.press("Enter")
@@ -91,18 +100,13 @@ def test_chat_page_json_mode_and_tool_call_cards(server) -> None:
         answer = page.locator(".msg.assistant").nth(2)
         expect(answer.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
         page.screenshot(path=str(ARTIFACTS / "chat_page_tools.png"), full_page=True)
-        browser.close()
 
 
 @pytest.mark.slow
 def test_chat_page_resumes_after_a_forced_socket_close(server) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.goto(f"{server.http}/?key={API_KEY}")
-        expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+    with _connected_page(server) as page:
         page.fill("#input", "Write a long story about a castle and its many rooms.")
         page.keyboard.press("Enter")
         reply = page.locator(".msg.assistant").nth(0)
@@ -114,4 +118,3 @@ def test_chat_page_resumes_after_a_forced_socket_close(server) -> None:
         stored = server.get(f"/v1/responses/{response_id}")
         assert stored["output"][0]["content"][0]["text"] == shown  # nothing lost, nothing repeated
         expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
-        browser.close()
