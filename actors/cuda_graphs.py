@@ -16,15 +16,20 @@ Prefill and extend steps, and batches larger than the ladder, run eagerly.
 it is `cuda_capture` (torch.cuda.CUDAGraph, warmed up on a side stream first); tests pass a
 stand-in that runs on the CPU, so everything but the capture is tested without a GPU.
 
-Not yet wired into the ModelRunner: a captured decode step needs attention metadata that
-lives only in tensors (today's AttentionMetadata carries host lists, and the split-KV plan
-is sized per step on the host), and that change is only worth making where a GPU can check
-it (benchmarks/gpu_check.py).
+The ModelRunner captures its decode step (embed, layers, final norm, logits) when
+`graph_settings` says to: CUDA, the Triton kernels, one pipeline stage (a stage that hands
+hidden states on leaves through the host), and not `enforce_eager`. The captured step reads
+only tensors: its attention metadata carries the static seq_lens and block tables, and the
+host-side "max context" that sizes the split-KV grid is max_model_len, so a graph fits every
+context (partitions past a row's length are empty and weigh nothing in the merge). Sampling
+runs eagerly on the graph's logits. Speculative verification (k + 1 query tokens a request)
+runs eagerly: its rows per request vary with the drafts each step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +37,25 @@ StepFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 Capture = Callable[[StepFn, dict[str, torch.Tensor]], Callable[[], torch.Tensor]]
 # The per-request inputs of a decode step, each [rows, ...]; every one is padded.
 INPUTS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSettings:
+    """What a runner needs to capture its decode graphs."""
+
+    max_num_seqs: int  # the ladder's top
+    max_model_len: int  # static block tables hold this many tokens; the split-KV grid's ceiling
+    capture: Capture
+
+
+def graph_settings(
+    enforce_eager: bool, device: torch.device, single_stage: bool, kernels: str, max_num_seqs: int, max_model_len: int
+) -> GraphSettings | None:
+    """Graphs where they can run: on CUDA with the Triton kernels (the torch reference syncs
+    on the host inside a step), with one pipeline stage, unless enforce_eager."""
+    if enforce_eager or device.type != "cuda" or not single_stage or kernels != "triton":
+        return None
+    return GraphSettings(max_num_seqs, max_model_len, cuda_capture)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -72,7 +96,8 @@ class DecodeGraphs:
         holds them (the caller runs the step eagerly)."""
         rows = inputs["input_ids"].shape[0]
         size = graph_size(rows, self.ladder)
-        if size is None or size not in self.graphs:
+        too_wide = inputs["block_tables"].shape[1] > self.static["block_tables"].shape[1]
+        if size is None or size not in self.graphs or too_wide:
             return None
         self._fill(inputs, rows, size)
         self.replays[size] += 1

@@ -13,6 +13,7 @@ computes. A failed step ends the in-flight requests with an error and rebuilds t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -64,10 +65,18 @@ class EngineActor:
         except BaseException:
             self.executor.shutdown()  # do not leave a half-built group holding resources
             raise
+        if self.executor.num_blocks != self.core.num_blocks:  # on CUDA the workers sized the pool
+            self._resize_pool(self.executor.num_blocks)
         self.core.weight_bytes = self.executor.weight_bytes
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         self._loop_task.add_done_callback(self._on_loop_exit)
         return self.core.max_model_len
+
+    def _resize_pool(self, num_blocks: int) -> None:
+        """A fresh core over the pool the workers allocated (before any request: nothing is lost)."""
+        core = self.core
+        config = dataclasses.replace(core.config, num_blocks=num_blocks)
+        self.core = EngineCore(config, core.model_config, core.max_model_len, core.eos_token_ids)
 
     async def add_request(self, request: EngineRequest) -> str | None:
         """Queue a request; a refused one returns the reason (nothing is raised across actors)."""

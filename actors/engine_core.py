@@ -5,6 +5,7 @@ worker actors, and feeds their output back through update()."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import msgspec
@@ -12,8 +13,8 @@ import msgspec
 from cadenza.actors.block_pool import BlockPool
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.model_runner import ModelRunner
-from cadenza.actors.proposers import build_proposer
 from cadenza.actors.request import Request
+from cadenza.actors.runner_setup import build_runner, kv_pool_blocks
 from cadenza.actors.scheduler import Scheduler
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, SchedulerOutput
@@ -85,11 +86,10 @@ class EngineCore:
     @classmethod
     def in_process(cls, config: EngineConfig, loaded: LoadedModel) -> EngineCore:
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.config.eos_token_ids
+        planned = num_kv_blocks(config, loaded.config, loaded.max_model_len)
+        config = dataclasses.replace(config, num_blocks=kv_pool_blocks(config, loaded, planned))
         core = cls(config, loaded.config, loaded.max_model_len, eos)
-        proposer = build_proposer(config, loaded.config, loaded.max_model_len, core.num_blocks)
-        core.runner = ModelRunner(
-            loaded.model, core.num_blocks, config.block_size, eos, proposer=proposer, tokenizer=loaded.tokenizer
-        )
+        core.runner = build_runner(config, loaded, core.num_blocks, eos)
         return core
 
     def add_request(self, req: EngineRequest) -> None:

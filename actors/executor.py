@@ -1,8 +1,9 @@
 """RayExecutor: the engine actor's handle on its worker actors.
 
 tp * pp workers in one placement group. A step sends the same SchedulerOutput to every
-worker; stage s + 1 gets stage s's HiddenStates straight from stage s, without a detour
-through the engine. The last stage's TP rank 0 (the driver) returns the ModelRunnerOutput.
+worker; stage s + 1 gets stage s's hidden states over torch.distributed (actors/stage_link.py)
+and, through the executor, a HiddenStates naming their shape. The last stage's TP rank 0
+(the driver) returns the ModelRunnerOutput.
 Worker calls take and return these Structs; Ray sends them as msgpack (cadenza.actors.codec).
 
 Steps run as plain actor calls chained by object refs, or as a Ray Compiled Graph (channels
@@ -62,6 +63,7 @@ class RayExecutor:
         self.config = config
         self.graph: ray.dag.CompiledDAG | None = None
         self.num_blocks = num_blocks
+        self._pool_agreed = False
         self.eos_token_ids = list(eos_token_ids)
         self.stages: list[list[ray.actor.ActorHandle]] = []  # [pp][tp]
         self.pids: list[int] = []
@@ -85,12 +87,26 @@ class RayExecutor:
             [self._spawn(tp, pp, threads, cpus, gpus) for tp in range(cfg.tensor_parallel_size)]
             for pp in range(cfg.pipeline_parallel_size)
         ]
-        url = await self._rendezvous() if cfg.tensor_parallel_size > 1 else None
+        url = await self._rendezvous() if cfg.world_size > 1 else None
         self.pids = await asyncio.gather(*(w.load.remote(url) for w in self.workers))
+        self.num_blocks = self._agreed_pool(min(await asyncio.gather(*(w.kv_blocks.remote() for w in self.workers))))
+        await asyncio.gather(*(w.allocate.remote(self.num_blocks) for w in self.workers))
         self.weight_bytes = sum(await asyncio.gather(*(w.weight_bytes.remote() for w in self.workers)))
         self.death_watch = [asyncio.ensure_future(self._watch(w)) for w in self.workers]
         if self.config.compiled_graph:
             self.graph = self._compile()
+
+    def _agreed_pool(self, fits: int) -> int:
+        """One pool for every rank: the smallest any has room for (on CUDA each profiled its
+        own). Rebuilt workers keep the engine's pool, whose block tables are already in use."""
+        if not self._pool_agreed:
+            self._pool_agreed = True
+            return fits
+        if fits < self.num_blocks:
+            raise RuntimeError(
+                f"rebuilt workers have room for {fits} KV blocks; the engine's pool is {self.num_blocks}"
+            )
+        return self.num_blocks
 
     def _compile(self) -> ray.dag.CompiledDAG | None:
         try:

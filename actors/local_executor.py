@@ -48,12 +48,15 @@ class LocalExecutor:
         self.worker: Worker | None = None
         self.pids: list[int] = []
         self.weight_bytes = 0
+        self.num_blocks = num_blocks  # the pool once started (on CUDA, what the profile left)
         self._thread: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-step")
         self.worker = await self._call(Worker, self.spec)
         await self._call(self.worker.load, None)
+        self.num_blocks = self.worker.kv_blocks()
+        await self._call(self.worker.allocate, self.num_blocks)
         self.pids = [os.getpid()]
         self.weight_bytes = self.worker.weight_bytes()
 

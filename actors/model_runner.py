@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cadenza.actors.cuda_graphs import DecodeGraphs, GraphSettings, capture_sizes
 from cadenza.actors.grammar_matchers import GrammarError, GrammarMatchers, GrammarQuery
 from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
 from cadenza.actors.spec_proposal import ProposalInput, Proposer
+from cadenza.actors.stage_link import StageLink
 from cadenza.actors.varlen_batch import Chunk, build_batch
-from cadenza.kernels.attention.metadata import AttentionMetadata
+from cadenza.kernels.attention.metadata import AttentionMetadata, DecodePlan
 from cadenza.messages import HiddenStates, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.tokenizer import Tokenizer
@@ -103,19 +105,6 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
 
 
-def pack_hidden(x: torch.Tensor, residual: torch.Tensor) -> HiddenStates:
-    # bytes through int16/int32 views: numpy has no bfloat16.
-    raw = lambda t: t.contiguous().cpu().view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes()
-    dtype = str(x.dtype).removeprefix("torch.")
-    return HiddenStates(shape=list(x.shape), dtype=dtype, hidden=raw(x), residual=raw(residual))
-
-
-def unpack_hidden(h: HiddenStates, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = getattr(torch, h.dtype)
-    load = lambda b: torch.frombuffer(bytearray(b), dtype=dtype).view(h.shape).to(device)
-    return load(h.hidden), load(h.residual)
-
-
 class ModelRunner:
     """One worker's runner. With pipeline stages, a stage before the last returns HiddenStates
     for the next; with tensor parallelism every rank computes and only the driver samples."""
@@ -129,23 +118,33 @@ class ModelRunner:
         is_driver: bool = True,
         proposer: Proposer | None = None,
         tokenizer: Tokenizer | None = None,
+        graphs: GraphSettings | None = None,
+        link: StageLink | None = None,
     ) -> None:
+        if link is None and not (model.is_first_stage and model.is_last_stage):
+            raise ValueError("a pipeline stage needs a StageLink to its neighbours")
         self.model = model
+        self.link = link
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.is_driver = is_driver
         self.device = model.norm.device
         model.prepare_kernels()
-        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
+        # With graphs, one block past the pool is the padding rows' scratch (no request owns it).
+        self.kv_caches = allocate_kv_cache(model, num_blocks + (graphs is not None), block_size)
+        self.graphs = self._capture(graphs, num_blocks) if graphs is not None else None
         self.requests: dict[str, RunnerRequest] = {}
         self.proposer = proposer  # speculative decoding, on the driver only
         # Structured outputs: the driver samples, so it alone follows the grammars.
         self.grammar = GrammarMatchers(tokenizer, eos_token_ids) if is_driver else None
         self._masks: Future | GrammarMasks = {}
         self._forwarded = 0.0
+        self._received: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's, from the stage before
 
     def execute(self, so: SchedulerOutput, previous: HiddenStates | None = None) -> ModelRunnerOutput | HiddenStates:
         started = time.monotonic()
+        if previous is not None:  # first, before anything can fail: the sender waits on it
+            self._received = self.link.recv(previous, self.device)
         self._update_states(so)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput.empty()
@@ -164,20 +163,69 @@ class ModelRunner:
             result.timing = [started, self._forwarded, time.monotonic()]
         return result
 
+    def _capture(self, settings: GraphSettings, num_blocks: int) -> DecodeGraphs:
+        max_blocks = -(-settings.max_model_len // self.block_size)
+        pad_slot = num_blocks * self.block_size  # slot 0 of the scratch block
+        graphs = DecodeGraphs(capture_sizes(settings.max_num_seqs), max_blocks, pad_slot, num_blocks, self.device)
+        with torch.inference_mode():
+            graphs.capture_all(self._decode_step(settings.max_model_len), settings.capture)
+        return graphs
+
+    def _decode_step(self, max_model_len: int) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        """A decode step over static inputs, reading no host value that changes between steps:
+        the logits of every row."""
+        model = self.model
+
+        def step(x: dict[str, torch.Tensor]) -> torch.Tensor:
+            rows = x["input_ids"].shape[0]
+            tables, lens = x["block_tables"], x["seq_lens"]
+            # Host lists only for shapes: every row one query token, contexts up to max_model_len.
+            meta = AttentionMetadata(
+                x["slot_mapping"], list(range(rows + 1)), [max_model_len] * rows, lens, tables, rows,
+                decode_plan=DecodePlan(None, tables, lens, []),
+            )  # fmt: skip
+            h, residual = model.run_layers(model.embed(x["input_ids"]), None, x["positions"], self.kv_caches, meta)
+            return model.compute_logits(model.final_norm(h, residual))
+
+        return step
+
+    def _replay(self, batch: Batch) -> torch.Tensor | None:
+        """The logits of a decode-only step from a graph; None: run it eagerly (a prefill or
+        extend, drafts to verify, or no graph that holds the batch)."""
+        meta = batch.meta
+        if self.graphs is None or meta.num_decodes != meta.num_reqs or len(batch.sampling) != meta.num_reqs:
+            return None
+        if any(r.spec_token_ids for r in batch.sampling):
+            return None
+        inputs = {
+            "input_ids": batch.input_ids,
+            "positions": batch.positions,
+            "slot_mapping": meta.slot_mapping,
+            "seq_lens": meta.seq_lens_tensor,
+            "block_tables": meta.block_tables,
+        }
+        return self.graphs.run(inputs)
+
     def _forward(self, batch: Batch, previous: HiddenStates | None) -> ModelRunnerOutput | HiddenStates:
+        logits = self._replay(batch)
+        if logits is not None:  # decodes never ask for prompt logprobs: their prompt is done
+            self._forwarded = time.monotonic()
+            return self._sample(logits, batch)
         model = self.model
         if model.is_first_stage:
             x, residual = model.embed(batch.input_ids), None
         elif previous is None:
             raise ValueError("a later pipeline stage needs the previous stage's hidden states")
         else:
-            x, residual = unpack_hidden(previous, self.device)
+            x, residual = self._received
         x, residual = model.run_layers(x, residual, batch.positions, self.kv_caches, batch.meta)
         if not model.is_last_stage:
-            return pack_hidden(x, residual)
+            return self.link.send(x, residual)
         hidden = model.final_norm(x, residual)
+        # Sampled where the logits are: only the token ids (and logprobs asked for) reach the host.
+        logits = self.model.compute_logits(hidden[batch.sample_rows]) if batch.sampling else None
         self._forwarded = time.monotonic()  # the timeline's forward / sample boundary
-        out = self._sample(hidden, batch)
+        out = self._sample(logits, batch)
         out.prompt_logprobs = self._prompt_logprobs(hidden, batch, out.failed)
         return out
 
@@ -235,11 +283,10 @@ class ModelRunner:
         ids, positions, meta = build_batch(chunks, self.block_size, self.device)
         return Batch(ids, positions, meta, reqs, [c.end for c in chunks], sample_rows, sampling)
 
-    def _sample(self, hidden: torch.Tensor, batch: Batch) -> ModelRunnerOutput:
-        if not batch.sampling:
+    def _sample(self, logits: torch.Tensor | None, batch: Batch) -> ModelRunnerOutput:
+        """logits: one row per sample row of the batch (None when nothing samples)."""
+        if logits is None:
             return ModelRunnerOutput.empty()
-        # Sampled where the logits are: only the token ids (and logprobs asked for) reach the host.
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
         if not self.is_driver:  # the gather above is collective; sampling is the driver's alone
             return ModelRunnerOutput.empty()
         out = ModelRunnerOutput.empty()

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from cadenza.actors import codec
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
-from cadenza.actors.proposers import build_proposer
+from cadenza.actors.runner_setup import build_runner, kv_pool_blocks
+from cadenza.actors.stage_link import StageLink
 from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, WorkerSpec
-from cadenza.models.loader import load_model
+from cadenza.models.loader import LoadedModel, load_model
 from cadenza.models.tp import SINGLE, TPGroup
 from cadenza.models.weights import ModelPart
 from cadenza.weight_format import WeightFormat
@@ -53,6 +54,8 @@ class Worker:
         unnice_worker()
         torch.set_num_threads(self.spec.num_threads)
         self.runner: ModelRunner | None = None
+        self._loaded: LoadedModel | None = None
+        self._kv_blocks, self._tp_rank = spec.num_blocks, 0
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -66,25 +69,36 @@ class Worker:
             return f"tcp://{host}:{s.getsockname()[1]}"
 
     def load(self, dist_url: str | None) -> int:
-        """Join the process group (tensor parallel only), load and shard the model, allocate KV.
-        Returns the process id, so tests and operators can find (and kill) the worker."""
+        """Join the process group (tensor parallel only), load and shard the model, and size
+        the KV pool this rank can hold (kv_blocks); allocate() then builds the runner over the
+        pool every rank agrees on. Returns the process id, so tests and operators can find
+        (and kill) the worker."""
         spec, cfg = self.spec, self.spec.config
         torch.manual_seed(cfg.seed)
-        tp = self._join_group(dist_url) if cfg.tensor_parallel_size > 1 else SINGLE
+        # One process group for TP collectives and the stages' point-to-point hidden states.
+        tp = self._join_group(dist_url) if cfg.world_size > 1 else SINGLE
+        self._tp_rank = tp.rank
         device = "cuda" if cfg.device.startswith("cuda") else cfg.device
         # Only this rank's part of this stage is read into memory (models/rank_slice.py).
         part = ModelPart(tp, spec.pp_rank, cfg.pipeline_parallel_size)
-        loaded = load_model(cfg.model, _sliceable(cfg.weight_format, tp.size), device, cfg.max_model_len, part)
-        model = loaded.model
-        is_driver = tp.rank == 0 and model.is_last_stage
-        eos = tuple(spec.eos_token_ids)
-        # The driver samples, so it verifies drafts and proposes the next ones (a draft model
-        # runs whole beside the target's last stage, sharing its block tables).
-        proposer = build_proposer(cfg, loaded.config, loaded.max_model_len, spec.num_blocks) if is_driver else None
-        self.runner = ModelRunner(
-            model, spec.num_blocks, cfg.block_size, eos, is_driver, proposer, tokenizer=loaded.tokenizer
-        )
+        self._loaded = load_model(cfg.model, _sliceable(cfg.weight_format, tp.size), device, cfg.max_model_len, part)
+        self._kv_blocks = kv_pool_blocks(cfg, self._loaded, spec.num_blocks)
         return os.getpid()
+
+    def kv_blocks(self) -> int:
+        """The KV blocks this rank has room for (its profile on CUDA, else the engine's plan)."""
+        return self._kv_blocks
+
+    def allocate(self, num_blocks: int) -> None:
+        """The runner over a pool of num_blocks (the smallest any rank has room for)."""
+        if self._loaded is None:
+            raise RuntimeError("worker.allocate before worker.load")
+        is_driver = self._tp_rank == 0 and self._loaded.model.is_last_stage
+        eos = tuple(self.spec.eos_token_ids)
+        cfg = self.spec.config
+        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+        link = StageLink.for_rank(self._tp_rank, self.spec.pp_rank, tp, pp)
+        self.runner = build_runner(cfg, self._loaded, num_blocks, eos, is_driver, link)
 
     def _join_group(self, dist_url: str) -> TPGroup:
         cfg, spec = self.spec.config, self.spec

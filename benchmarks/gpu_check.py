@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cadenza.benchmarks.gpu_cases import DTYPES, Case, Plan, attention_cases, elementwise_cases, gemm_cases, make_plan
+from cadenza.benchmarks.gpu_model import copy_bandwidth_gb_s
 
 
 def bench_ms(fn: Callable[[], object], dev: torch.device, warmup_ms: int, rep_ms: int) -> float:
@@ -79,6 +80,10 @@ def run_checks(plan: Plan, dtypes: list[torch.dtype], dev: torch.device, budget_
             results += _run_family(family(plan, dtype, dev), family.__name__, dtype, dev, start + budget_s, quick)
     failed = [r for r in results if r.get("passed") is False]
     skipped = [r for r in results if "skipped" in r]
+    copy_gb_s = copy_bandwidth_gb_s(dev, 1 << 30 if dev.type == "cuda" else 1 << 26)
+    for r in results:
+        if "gb_s" in r:
+            r["fraction_of_copy_bandwidth"] = round(r["gb_s"] / copy_gb_s, 3)
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
         "torch": torch.__version__,
@@ -88,8 +93,20 @@ def run_checks(plan: Plan, dtypes: list[torch.dtype], dev: torch.device, budget_
         "num_failed": len(failed),
         "num_skipped": len(skipped),
         "wall_s": round(time.perf_counter() - start, 1),
+        "copy_bandwidth_gb_s": round(copy_gb_s, 1),
+        # The target's measure: decode attention at contexts of 4k tokens and more.
+        "decode_attention_4k_plus_min_fraction": _min_fraction(results, "decode_attention", 4096),
         "results": results,
     }
+
+
+def _min_fraction(results: list[dict[str, object]], kernel: str, min_context: int) -> float | None:
+    fractions = [
+        r["fraction_of_copy_bandwidth"]
+        for r in results
+        if r["kernel"] == kernel and r.get("context", 0) >= min_context and "fraction_of_copy_bandwidth" in r
+    ]
+    return min(fractions) if fractions else None
 
 
 def _run_family(

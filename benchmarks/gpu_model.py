@@ -110,23 +110,47 @@ def decode_tpot_ms(llm: Any, vocab: int, batch: int, tokens: int) -> float:
 def model_check(
     tiny: bool, device: torch.device, dtype: torch.dtype, steps: int = 64, batches: tuple[int, ...] = (1, 8, 64)
 ) -> dict[str, Any]:
-    """The whole-model report (see the module's docstring)."""
-    from cadenza.actors.llm import LLM
-
+    """The whole-model report (see the module's docstring), with decode CUDA graphs and
+    without (enforce_eager); off CUDA there are no graphs, so only the eager run is made."""
     shape = TINY_LLAMA if tiny else LLAMA_1B
     name = str(dtype).removeprefix("torch.")
-    decode_tokens = 16 if tiny else 64
+    modes = {"graphs": False, "eager": True} if device.type == "cuda" else {"eager": True}
     with tempfile.TemporaryDirectory() as directory:
         hf = build_random_llama(shape, dtype, Path(directory)).to(device=device, dtype=dtype)
-        llm = LLM(directory, dtype=name, device=str(device), num_blocks=(max(batches) + 1) * 8, block_size=16)
         prompt = torch.randint(0, shape["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(7))
-        report = {"model": "tiny-llama" if tiny else "llama-3.2-1b-shaped", "dtype": name}
-        report["vs_transformers"] = greedy_vs_hf(llm, hf, prompt.tolist(), steps, device)
-        del hf
-        report["tpot_ms"] = {
-            str(b): round(decode_tpot_ms(llm, shape["vocab_size"], b, decode_tokens), 3) for b in batches
-        }
-        report |= _bandwidth(llm, shape, device, report["tpot_ms"]["1"], decode_tokens)
+        report: dict[str, Any] = {"model": "tiny-llama" if tiny else "llama-3.2-1b-shaped", "dtype": name}
+        for mode, eager in modes.items():
+            report[mode] = _engine_report(directory, hf, prompt.tolist(), shape, device, name, eager, steps, batches)
+    first = report[next(iter(modes))]
+    report["vs_transformers"] = {
+        "greedy_identical": all(report[m]["vs_transformers"]["greedy_identical"] for m in modes)
+    }
+    if "graphs" in report:
+        report["graphs_speedup_batch1"] = round(report["eager"]["tpot_ms"]["1"] / report["graphs"]["tpot_ms"]["1"], 2)
+    report["decode_step_fraction_of_bandwidth"] = first["decode_step_fraction_of_bandwidth"]
+    return report
+
+
+def _engine_report(
+    directory: str, hf: torch.nn.Module, prompt: list[int], shape: dict[str, Any], device: torch.device,
+    dtype: str, eager: bool, steps: int, batches: tuple[int, ...],
+) -> dict[str, Any]:  # fmt: skip
+    """One engine's figures; on CUDA its KV pool sized by a profile (gpu_memory_utilization)."""
+    from cadenza.actors.llm import LLM
+
+    sizing = {"gpu_memory_utilization": 0.3} if device.type == "cuda" else {"num_blocks": (max(batches) + 1) * 8}
+    settings = dict(dtype=dtype, device=str(device), block_size=16, max_num_seqs=max(batches), enforce_eager=eager)
+    llm = LLM(directory, **settings, **sizing)
+    decode_tokens = 16 if shape is TINY_LLAMA else 64
+    report: dict[str, Any] = {"kv_pool_blocks": llm.engine.num_blocks}
+    report["vs_transformers"] = greedy_vs_hf(llm, hf, prompt, steps, device)
+    report["tpot_ms"] = {str(b): round(decode_tpot_ms(llm, shape["vocab_size"], b, decode_tokens), 3) for b in batches}
+    report |= _bandwidth(llm, shape, device, report["tpot_ms"]["1"], decode_tokens)
+    graphs = llm.engine.runner.graphs
+    report["graph_replays"] = {str(k): v for k, v in graphs.replays.items() if v} if graphs is not None else None
+    del llm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next engine profiles a device without this one's pool
     return report
 
 

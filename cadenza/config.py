@@ -100,8 +100,11 @@ class EngineConfig:
     model's KV (all layers and heads, however many workers share it), and at least one block.
     On the CPU the pool is reserved, not resident: its pages are committed as blocks are
     first written, and the block pool reuses written blocks before untouched ones, so a
-    light load keeps a small resident KV however large the pool. max_num_seqs: requests
-    running at once.
+    light load keeps a small resident KV however large the pool. On CUDA the pool is instead
+    what gpu_memory_utilization (default 0.9) of the device leaves after the weights and a
+    profiling forward at the largest step (actors/memory_profile.py); num_blocks overrides it
+    there too. max_num_seqs: requests running at once. enforce_eager: no CUDA graphs (by
+    default decode steps replay graphs on CUDA; actors/cuda_graphs.py).
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_model_len: longest prompt + output; defaults to the model's context length.
 
@@ -143,6 +146,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -176,6 +181,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

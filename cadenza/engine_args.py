@@ -32,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: CUDA when a GPU is there, else the CPU")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="CUDA: the device's share for weights, steps and KV"
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs for decode steps")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -62,6 +66,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         int8_activations=args.int8_activations,
         device=args.device,
         block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

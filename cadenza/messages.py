@@ -94,12 +94,11 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
 
 
 class HiddenStates(msgspec.Struct, kw_only=True):
-    """What one pipeline stage hands the next: hidden states and residual, as raw bytes."""
+    """What one pipeline stage hands the next through the executor: the shape and dtype of the
+    hidden states and residual it sent over torch.distributed (actors/stage_link.py)."""
 
     shape: list[int]
     dtype: str
-    hidden: bytes
-    residual: bytes
 
 
 class WorkerSpec(msgspec.Struct, kw_only=True):

@@ -60,7 +60,7 @@ SAMPLES = [
         total_num_scheduled_tokens=2,
         finished_req_ids=["c"],
     ),
-    HiddenStates(shape=[1, 2], dtype="float32", hidden=b"\0" * 8, residual=b"\1" * 8),
+    HiddenStates(shape=[1, 2], dtype="float32"),
     ModelRunnerOutput(sampled={"a": [5]}, logprobs={"a": [TokenLogprobs([5, 6], [-0.1, -2.0], 1)]}),
 ]
 

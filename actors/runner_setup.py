@@ -1,0 +1,51 @@
+"""From a loaded model to its ModelRunner, the same in a worker and in the in-process engine:
+how many KV blocks this rank can hold, then the runner over that pool (with its proposer and,
+on CUDA, its decode graphs)."""
+
+from __future__ import annotations
+
+from cadenza.actors.cuda_graphs import graph_settings
+from cadenza.actors.memory_profile import CudaProbe, MemoryProbe, kv_blocks_for_memory
+from cadenza.actors.model_runner import ModelRunner
+from cadenza.actors.proposers import build_proposer
+from cadenza.actors.stage_link import StageLink
+from cadenza.config import EngineConfig
+from cadenza.kernels import ops
+from cadenza.models.loader import LoadedModel
+
+
+def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel, planned: int, probe: MemoryProbe | None = None) -> int:
+    """num_blocks when given; off CUDA the engine's plan (model, max_num_seqs, max_model_len,
+    kv_cache_memory); on CUDA what gpu_memory_utilization leaves after a profiled step. A
+    probe stands in for the device's memory in tests."""
+    device = loaded.model.norm.device
+    if config.num_blocks is not None or (device.type != "cuda" and probe is None):
+        return planned
+    return kv_blocks_for_memory(
+        loaded.model,
+        config.gpu_memory_utilization,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        config.block_size,
+        probe or CudaProbe(device),
+    )
+
+
+def build_runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    num_blocks: int,
+    eos: tuple[int, ...],
+    is_driver: bool = True,
+    link: StageLink | None = None,
+) -> ModelRunner:
+    model = loaded.model
+    # The driver samples, so it verifies drafts and proposes the next ones (a draft model runs
+    # whole beside the target's last stage, sharing its block tables).
+    proposer = build_proposer(config, loaded.config, loaded.max_model_len, num_blocks) if is_driver else None
+    device = model.norm.device
+    single_stage = model.is_first_stage and model.is_last_stage
+    graphs = graph_settings(
+        config.enforce_eager, device, single_stage, ops.backend(device), config.max_num_seqs, loaded.max_model_len
+    )
+    return ModelRunner(model, num_blocks, config.block_size, eos, is_driver, proposer, loaded.tokenizer, graphs, link)

@@ -1,0 +1,81 @@
+"""Decode graphs wired into the ModelRunner, through the CPU stand-in capture of
+test_cuda_graphs.py: a graphed engine gives the eager engine's tokens and log-probs while
+decode-only steps replay graphs (padded to the ladder) and every other step runs eagerly;
+and where graphs are used at all (graph_settings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadenza import LLM, SamplingParams
+from cadenza.actors.cuda_graphs import GraphSettings, cuda_capture, graph_settings
+from cadenza.actors.model_runner import ModelRunner
+from tests.actors.test_cuda_graphs import stand_in_capture
+
+MAX_NUM_SEQS = 5  # ladder 1, 2, 4, 5
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32], [27], [95, 2, 88, 41], [7, 7, 7]]
+
+
+def _run(llm: LLM, spec: dict | None = None) -> list[tuple[list[int], list[float]]]:
+    # Different lengths, so the running batch shrinks through every rung as requests finish.
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=0) for i in range(6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    chosen = lambda c: [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]  # noqa: E731
+    return [(o.outputs[0].token_ids, chosen(o.outputs[0])) for o in outs]
+
+
+def _graphed(llm: LLM) -> ModelRunner:
+    """The engine's runner again over the same model, capturing with the stand-in."""
+    old = llm.engine.runner
+    settings = GraphSettings(MAX_NUM_SEQS, llm.engine.max_model_len, stand_in_capture)
+    runner = ModelRunner(old.model, llm.engine.num_blocks, old.block_size, old.eos_token_ids, graphs=settings)
+    llm.engine.runner = runner
+    return runner
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_graphed_decode_equals_eager(tiny_model, monkeypatch: pytest.MonkeyPatch, kernels: str) -> None:
+    """`triton` runs the split-KV decode kernel (interpreted here) with the graph's fixed
+    grid: partitions sized for max_model_len, most of them empty for these short contexts."""
+    monkeypatch.setenv("CADENZA_KERNELS", kernels)
+    path, _ = tiny_model("llama_gqa_tied")
+    llm = LLM(str(path), max_num_seqs=MAX_NUM_SEQS, num_blocks=64, max_model_len=256, enable_prefix_caching=False)
+    eager = _run(llm)
+    runner = _graphed(llm)
+    graphed = _run(llm)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(graphed, eager, strict=True):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+    replays = runner.graphs.replays
+    assert replays[5] > 0 and replays[4] > 0 and replays[2] > 0 and replays[1] > 0, replays
+    # Graphs only run decodes: each request's first token came from an eager (prefill) step.
+    decode_tokens = sum(len(tokens) - 1 for tokens, _ in graphed)
+    assert sum(replays.values()) < decode_tokens  # several requests share each replayed step
+
+
+def test_the_padding_scratch_block_is_past_the_pool(tiny_model) -> None:
+    path, _ = tiny_model("llama_gqa_tied")
+    llm = LLM(str(path), max_num_seqs=MAX_NUM_SEQS, num_blocks=16, max_model_len=128)
+    runner = _graphed(llm)
+    assert runner.kv_caches[0][0].shape[0] == 17  # the pool's 16 blocks and the scratch
+    assert runner.graphs.pad_block == 16 and runner.graphs.pad_slot == 16 * runner.block_size
+    assert llm.engine.kv.pool.num_blocks == 16  # the scheduler never hands the scratch out
+
+
+def test_graphs_stay_off_where_they_cannot_run() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graph_settings(False, cuda, True, "triton", 8, 1024) == GraphSettings(8, 1024, cuda_capture)
+    assert graph_settings(True, cuda, True, "triton", 8, 1024) is None  # enforce_eager
+    assert graph_settings(False, cpu, True, "cpu", 8, 1024) is None
+    assert graph_settings(False, cuda, False, "triton", 8, 1024) is None  # a pipeline stage
+    assert graph_settings(False, cuda, True, "torch", 8, 1024) is None  # the reference syncs
+
+
+def test_an_engine_on_the_cpu_has_no_graphs_and_takes_the_flags(tiny_model) -> None:
+    path, _ = tiny_model("llama_gqa_tied")
+    llm = LLM(str(path), num_blocks=8, enforce_eager=True, gpu_memory_utilization=0.5)
+    assert llm.engine.runner.graphs is None and llm.config.enforce_eager
+    assert llm.engine.runner.kv_caches[0][0].shape[0] == 8
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        LLM(str(path), gpu_memory_utilization=1.5)
