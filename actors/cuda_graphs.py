@@ -22,8 +22,10 @@ hidden states on leaves through the host), and not `enforce_eager`. The captured
 only tensors: its attention metadata carries the static seq_lens and block tables, and the
 host-side "max context" that sizes the split-KV grid is max_model_len, so a graph fits every
 context (partitions past a row's length are empty and weigh nothing in the merge). Sampling
-runs eagerly on the graph's logits. Speculative verification (k + 1 query tokens a request)
-runs eagerly: its rows per request vary with the drafts each step.
+runs eagerly on the graph's logits. A step is graphed when every token it computes is
+sampled: decodes, and speculative verification, whose k + 1 tokens a request become k + 1
+one-query rows (each with its own position's context and its request's block table), so a
+verify step of b requests is a graph of b(k + 1) rows. Prompt chunks run eagerly.
 """
 
 from __future__ import annotations

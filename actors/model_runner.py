@@ -190,25 +190,31 @@ class ModelRunner:
         return step
 
     def _replay(self, batch: Batch) -> torch.Tensor | None:
-        """The logits of a decode-only step from a graph; None: run it eagerly (a prefill or
-        extend, drafts to verify, or no graph that holds the batch)."""
+        """The logits of a step from a graph when every token it computes is sampled: decodes,
+        and speculative verification (a request's k + 1 tokens are k + 1 one-query rows, each
+        seeing the keys up to its own position). None: run it eagerly (a prompt chunk, or no
+        graph holds that many rows)."""
+        num_tokens = batch.input_ids.shape[0]
+        if self.graphs is None or len(batch.sample_rows) != num_tokens:
+            return None
         meta = batch.meta
-        if self.graphs is None or meta.num_decodes != meta.num_reqs or len(batch.sampling) != meta.num_reqs:
-            return None
-        if any(r.spec_token_ids for r in batch.sampling):
-            return None
+        tables = meta.block_tables
+        if num_tokens != meta.num_reqs:  # verification: each token's row takes its request's table
+            qsl = meta.query_start_loc
+            per_request = torch.tensor([qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)], device=tables.device)
+            tables = tables.repeat_interleave(per_request, dim=0)
         inputs = {
             "input_ids": batch.input_ids,
             "positions": batch.positions,
             "slot_mapping": meta.slot_mapping,
-            "seq_lens": meta.seq_lens_tensor,
-            "block_tables": meta.block_tables,
+            "seq_lens": batch.positions + 1,  # causal: the keys up to and including its own
+            "block_tables": tables,
         }
         return self.graphs.run(inputs)
 
     def _forward(self, batch: Batch, previous: HiddenStates | None) -> ModelRunnerOutput | HiddenStates:
         logits = self._replay(batch)
-        if logits is not None:  # decodes never ask for prompt logprobs: their prompt is done
+        if logits is not None:  # every row samples, so none is a prompt position
             self._forwarded = time.monotonic()
             return self._sample(logits, batch)
         model = self.model

@@ -17,7 +17,7 @@ MAX_NUM_SEQS = 5  # ladder 1, 2, 4, 5
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32], [27], [95, 2, 88, 41], [7, 7, 7]]
 
 
-def _run(llm: LLM, spec: dict | None = None) -> list[tuple[list[int], list[float]]]:
+def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     # Different lengths, so the running batch shrinks through every rung as requests finish.
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=0) for i in range(6)]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -25,11 +25,12 @@ def _run(llm: LLM, spec: dict | None = None) -> list[tuple[list[int], list[float
     return [(o.outputs[0].token_ids, chosen(o.outputs[0])) for o in outs]
 
 
-def _graphed(llm: LLM) -> ModelRunner:
-    """The engine's runner again over the same model, capturing with the stand-in."""
+def _graphed(llm: LLM, max_num_seqs: int = MAX_NUM_SEQS) -> ModelRunner:
+    """The engine's runner again over the same model (and proposer), capturing with the stand-in."""
     old = llm.engine.runner
-    settings = GraphSettings(MAX_NUM_SEQS, llm.engine.max_model_len, stand_in_capture)
-    runner = ModelRunner(old.model, llm.engine.num_blocks, old.block_size, old.eos_token_ids, graphs=settings)
+    settings = GraphSettings(max_num_seqs, llm.engine.max_model_len, stand_in_capture)
+    blocks, size, eos = llm.engine.num_blocks, old.block_size, old.eos_token_ids
+    runner = ModelRunner(old.model, blocks, size, eos, proposer=old.proposer, graphs=settings)
     llm.engine.runner = runner
     return runner
 
@@ -52,6 +53,30 @@ def test_graphed_decode_equals_eager(tiny_model, monkeypatch: pytest.MonkeyPatch
     # Graphs only run decodes: each request's first token came from an eager (prefill) step.
     decode_tokens = sum(len(tokens) - 1 for tokens, _ in graphed)
     assert sum(replays.values()) < decode_tokens  # several requests share each replayed step
+
+
+def test_graphed_verification_equals_eager(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under n-gram speculation a verify step's k + 1 tokens a request replay as rows."""
+    monkeypatch.setenv("CADENZA_KERNELS", "torch")
+    path, _ = tiny_model("llama_gqa_tied")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    settings = dict(max_num_seqs=16, num_blocks=64, max_model_len=256, enable_prefix_caching=False)
+    plain = _run(LLM(str(path), **settings))
+    llm = LLM(str(path), **settings, speculative_config=spec)
+    runner = _graphed(llm, max_num_seqs=16)
+    steps: list[tuple[int, int, bool]] = []  # (requests sampled, tokens, replayed)
+    replay = runner._replay
+
+    def recording(batch):  # noqa: ANN001, ANN202 - the runner's own types
+        logits = replay(batch)
+        steps.append((len(batch.sampling), batch.input_ids.shape[0], logits is not None))
+        return logits
+
+    monkeypatch.setattr(runner, "_replay", recording)
+    graphed = _run(llm)
+    assert [tokens for tokens, _ in graphed] == [tokens for tokens, _ in plain]
+    assert any(replayed and tokens > reqs for reqs, tokens, replayed in steps), steps  # a verify step
+    assert llm.stats().spec_decode.num_accepted_tokens > 0
 
 
 def test_the_padding_scratch_block_is_past_the_pool(tiny_model) -> None:
