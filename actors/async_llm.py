@@ -12,19 +12,22 @@ the `async for` early or cancelling the task aborts the request, which frees its
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
+import msgspec
 import ray
 
 from cadenza.actors import codec
 from cadenza.actors.engine_actor import EngineActor
 from cadenza.actors.local_ray import ensure_ray
+from cadenza.actors.output_stream import stream_batches
 from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.errors import EngineDeadError, RequestFailedError
-from cadenza.messages import EngineRequest
+from cadenza.messages import EngineRequest, OutputBatch
 from cadenza.models.loader import load_tokenizer, read_model
 from cadenza.models.shard import stage_layers
 from cadenza.models.tp import check_tp
@@ -50,6 +53,7 @@ class AsyncLLM(StreamingClient):
         # The workers (or the local engine actor) take the GPUs, not this process: the cluster's count.
         self.config = config.placed(int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")
         codec.register()
+        self.output_transport = "actor calls"  # "socket" while outputs stream over one
         self.engine = _new_engine(self.config)
         try:
             self.max_model_len: int = ray.get(self.engine.start.remote())
@@ -148,8 +152,12 @@ class AsyncLLM(StreamingClient):
         return True
 
     async def _pull_outputs(self) -> None:
+        """Route every batch the engine publishes: streamed over its socket when it runs on
+        this node, else (or once the socket breaks) by actor calls, which also tell a dead
+        engine (replaced here) from a broken socket."""
         ack = 0
         while True:
+            ack = await self._stream_outputs(ack)
             try:
                 batch = await self.engine.get_outputs.remote(ack)
             except ray.exceptions.RayActorError as e:
@@ -158,10 +166,32 @@ class AsyncLLM(StreamingClient):
                     return
                 ack = 0
                 continue
-            ack, arrival = batch.last, time.monotonic()
-            if self.recorder is not None:
-                self.recorder.on_batch(batch.timings, arrival)
-            self._route(arrival, batch.outputs)
+            ack = self._take(batch)
+
+    async def _stream_outputs(self, ack: int) -> int:
+        """Batches from the engine's socket until it breaks; the last routed batch's number."""
+        try:
+            node, path = await self.engine.output_socket.remote()
+        except ray.exceptions.RayError:
+            return ack  # the actor call that follows says what happened
+        if node != ray.get_runtime_context().get_node_id():
+            return ack
+        self.output_transport = "socket"
+        try:
+            async for batch, routed in stream_batches(path, ack):
+                ack = self._take(batch)
+                routed()
+        except (OSError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError) as e:
+            log.debug("the output socket closed (%s); falling back to actor calls", e)
+        self.output_transport = "actor calls"
+        return ack
+
+    def _take(self, batch: OutputBatch) -> int:
+        arrival = time.monotonic()
+        if self.recorder is not None:
+            self.recorder.on_batch(batch.timings, arrival)
+        self._route(arrival, batch.outputs)
+        return batch.last
 
 
 def _new_engine(config: EngineConfig) -> ray.actor.ActorHandle:

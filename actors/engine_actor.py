@@ -4,10 +4,11 @@ step loop while there is work: on the model runner in its own process (LocalExec
 
 Every method takes and returns message Structs (cadenza.messages, cadenza.stats) or builtins;
 Ray sends the Structs as msgpack (cadenza.actors.codec). Outputs go back batched: one
-`get_outputs` answer carries every request's deltas since the last one, never a message per
-token, with the StepTiming of each step that produced them. The client keeps one such call
-parked here, so a step's outputs leave the moment they are published, while the next step
-computes. A failed step ends the in-flight requests with an error and rebuilds the workers.
+OutputBatch carries every request's deltas since the client's last acknowledged one, never a
+message per token, with the StepTiming of each step that produced them. A client on this
+node reads them from the output socket as they are published (actors/output_stream.py);
+one elsewhere keeps a `get_outputs` call parked here. Either way a step's outputs leave
+while the next step computes. A failed step ends the in-flight requests with an error and rebuilds the workers.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import os
 import time
 from collections import deque
 
+import ray
+
 from cadenza.actors import codec
 from cadenza.actors.engine_core import EngineCore
 from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
 from cadenza.actors.local_executor import LocalExecutor
 from cadenza.actors.local_ray import unnice_worker
+from cadenza.actors.output_stream import OutputServer
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, ModelRunnerOutput, OutputBatch, SchedulerOutput, StepTiming
 from cadenza.models.loader import load_tokenizer, max_model_len, read_model
@@ -57,6 +61,7 @@ class EngineActor:
         self._loop_task: asyncio.Task[None] | None = None
         self._restarts = 0
         self._steps = 0
+        self._output_server: OutputServer | None = None
 
     async def start(self) -> int:
         """Place and load the workers, then start stepping. Returns max_model_len."""
@@ -95,7 +100,21 @@ class EngineActor:
 
     async def get_outputs(self, ack: int) -> OutputBatch:
         """Wait until a batch after `ack` exists, then hand over all of them at once."""
+        self._acknowledge(ack)
+        return await self._batches_after(ack)
+
+    async def output_socket(self) -> tuple[str, str]:
+        """(node id, path) of the socket that streams the batches to a client on this node
+        (actors/output_stream.py), started on first use."""
+        if self._output_server is None:
+            self._output_server = OutputServer(self._batches_after, self._acknowledge)
+            await self._output_server.start()
+        return ray.get_runtime_context().get_node_id(), self._output_server.path
+
+    def _acknowledge(self, ack: int) -> None:
         self._batches = [b for b in self._batches if b[0] > ack]
+
+    async def _batches_after(self, ack: int) -> OutputBatch:
         while self._published <= ack:
             await self._new_batch.wait()
         fresh = [b for b in self._batches if b[0] > ack]
@@ -126,6 +145,8 @@ class EngineActor:
         """Stop stepping, kill the workers and release their placement group."""
         if self._loop_task is not None:
             self._loop_task.cancel()
+        if self._output_server is not None:
+            self._output_server.close()
         self.executor.shutdown()
 
     def _publish(self, outputs: list[EngineOutput]) -> None:

@@ -77,6 +77,7 @@ def test_32_streams_match_offline_and_8_cancelled_free_their_blocks(async_smollm
         return results, outcomes + [stats]
 
     results, (*outcomes, stats) = asyncio.run(run())
+    assert async_smollm.output_transport == "socket"  # same node: outputs streamed, not fetched per step
     for (tokens, text, reason), ref in zip(results, reference, strict=True):
         assert tokens == ref.outputs[0].token_ids
         assert text == ref.outputs[0].text
