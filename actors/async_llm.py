@@ -28,9 +28,8 @@ from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.messages import EngineRequest, OutputBatch
-from cadenza.models.loader import load_tokenizer, read_model
-from cadenza.models.shard import stage_layers
-from cadenza.models.tp import check_tp
+from cadenza.models.model_files import load_tokenizer, read_model
+from cadenza.models.partition import check_tp, stage_layers
 from cadenza.stats import ServingStats
 
 _RemoteEngine = ray.remote(EngineActor)

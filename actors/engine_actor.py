@@ -19,19 +19,24 @@ import logging
 import os
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import ray
 
 from cadenza.actors import codec
-from cadenza.actors.engine_core import EngineCore
-from cadenza.actors.executor import RayExecutor, StepError, WorkerFailure
-from cadenza.actors.local_executor import LocalExecutor
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.output_stream import OutputServer
+from cadenza.actors.step_errors import StepError, WorkerFailure
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineOutput, EngineRequest, ModelRunnerOutput, OutputBatch, SchedulerOutput, StepTiming
-from cadenza.models.loader import load_tokenizer, max_model_len, read_model
 from cadenza.stats import ServingStats
+
+# The engine's own modules (scheduler, executors, and through them torch) are imported in the
+# actor's process, in __init__: a client that only creates the actor (the gateway) never
+# loads them, which keeps torch (~190 MB resident) out of the gateway.
+if TYPE_CHECKING:
+    from cadenza.actors.executor import RayExecutor
+    from cadenza.actors.local_executor import LocalExecutor
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,11 @@ MAX_PENDING_TIMINGS = 256
 class EngineActor:
     def __init__(self, config: EngineConfig) -> None:
         codec.register()  # before anything is sent: the workers' specs, every step
+        from cadenza.actors.engine_core import EngineCore
+        from cadenza.actors.executor import RayExecutor
+        from cadenza.actors.local_executor import LocalExecutor
+        from cadenza.models.model_files import load_tokenizer, max_model_len, read_model
+
         unnice_worker()
         path, model_config = read_model(config.model)
         tokenizer = load_tokenizer(path, model_config)
@@ -79,6 +89,8 @@ class EngineActor:
 
     def _resize_pool(self, num_blocks: int) -> None:
         """A fresh core over the pool the workers allocated (before any request: nothing is lost)."""
+        from cadenza.actors.engine_core import EngineCore
+
         core = self.core
         config = dataclasses.replace(core.config, num_blocks=num_blocks)
         self.core = EngineCore(config, core.model_config, core.max_model_len, core.eos_token_ids)

@@ -28,6 +28,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cadenza.actors.step_errors import StepError, WorkerFailure  # noqa: F401 - raised here, caught there
 from cadenza.actors.worker import StageOutput, Worker
 from cadenza.config import EngineConfig
 from cadenza.messages import ModelRunnerOutput, SchedulerOutput, WorkerSpec
@@ -39,16 +40,6 @@ PLACEMENT_TIMEOUT_S = 60.0
 _WATCH_GROUP = "watch"
 _RemoteWorker = ray.remote(concurrency_groups={_WATCH_GROUP: 1})(Worker)
 log = logging.getLogger(__name__)
-
-
-class WorkerFailure(RuntimeError):
-    """A worker died, a collective broke or the device failed: the workers' KV is lost, so the
-    running requests fail and the workers are rebuilt."""
-
-
-class StepError(RuntimeError):
-    """A step raised inside a live worker (its input broke the forward pass): the step's
-    requests fail, the workers and every other request go on."""
 
 
 # Errors after which a live worker still cannot be trusted: the device context or a

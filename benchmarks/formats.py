@@ -15,8 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cadenza.benchmarks.context_sweep import projection_params
 from cadenza.benchmarks.offline import (
     cadenza_single_stream,
@@ -27,8 +25,8 @@ from cadenza.benchmarks.offline import (
 from cadenza.benchmarks.report import report
 from cadenza.config import DEFAULT_MODEL
 from cadenza.models.config import ModelConfig
-from cadenza.models.gguf_loader import field_value, open_gguf
-from cadenza.models.loader import resolve_model_path
+from cadenza.models.gguf_reader import field_value, open_gguf
+from cadenza.models.model_files import resolve_model_path
 from cadenza.outputs import RequestOutput
 from cadenza.sampling_params import SamplingParams
 
@@ -115,6 +113,8 @@ def isa_flags(flags: set[str]) -> dict[str, bool]:
 
 
 def measure_machine() -> dict[str, Any]:
+    import torch
+
     name, flags = cpu_info()
     return {
         "cpu": name,

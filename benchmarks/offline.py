@@ -11,6 +11,12 @@ probe's 1 GiB buffer is not the engine's), and the RSS once loaded.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+# torch is imported where it is used: `cadenza serve` parses these flags without it.
+if TYPE_CHECKING:
+    import torch
+
 import argparse
 import random
 import statistics
@@ -18,13 +24,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from cadenza.benchmarks.context_sweep import DEFAULT_CONTEXTS, context_sweep
 from cadenza.benchmarks.memory import MB, own_peak_rss_bytes, own_rss_bytes, reset_own_peak_rss
 from cadenza.benchmarks.report import report
 from cadenza.engine_args import engine_kwargs
-from cadenza.models.loader import resolve_model_path
+from cadenza.models.model_files import resolve_model_path
 from cadenza.sampling_params import SamplingParams
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output length)
@@ -79,6 +83,8 @@ def make_workload(n: int, inputs: tuple[int, int], outputs: tuple[int, int], voc
 
 
 def measure_gemm_gflops(n: int = 1024, reps: int = 10) -> float:
+    import torch
+
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.mm(a, b)
     start = time.perf_counter()
@@ -88,6 +94,8 @@ def measure_gemm_gflops(n: int = 1024, reps: int = 10) -> float:
 
 
 def measure_read_gbps(megabytes: int = 1024, reps: int = 5) -> float:
+    import torch
+
     x = torch.ones(megabytes * (1 << 20) // 4)
     x.sum()
     best = float("inf")
@@ -167,6 +175,7 @@ def memory_summary(peak_bytes: int, loaded_bytes: int, weight_bytes: int, peak_r
 
 
 def load_hf(model: str) -> torch.nn.Module:
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model)
@@ -176,6 +185,8 @@ def load_hf(model: str) -> torch.nn.Module:
 
 
 def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> None:
+    import torch
+
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -205,6 +216,7 @@ def hf_single_stream(model: torch.nn.Module, single: tuple[list[int], int]) -> f
     """Decode tokens/s of one prompt alone, from the time each token is done (a stopping
     criterion sees every step), first to last: the same span Cadenza's metrics measure.
     (A full run less a prefill-only run could come out negative on a noisy machine.)"""
+    import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     stamps: list[float] = []
@@ -229,6 +241,8 @@ def hf_single_stream(model: torch.nn.Module, single: tuple[list[int], int]) -> f
 
 
 def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from cadenza.actors.llm import LLM  # late: `cadenza bench offline --help` stays fast
 
     torch.manual_seed(args.seed)

@@ -14,8 +14,6 @@ import argparse
 import time
 from typing import Any
 
-import torch
-
 from cadenza.benchmarks.offline import measure_gemm_gflops, measure_read_gbps
 from cadenza.benchmarks.report import report
 from cadenza.config import DEFAULT_MODEL
@@ -84,6 +82,8 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from cadenza.actors.llm import LLM
 
     machine = {"torch_threads": torch.get_num_threads(), "fp32_gemm_gflops": measure_gemm_gflops()}

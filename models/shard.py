@@ -12,13 +12,8 @@ import torch
 from torch import nn
 
 from cadenza.models.llama import Attention, Linear, LlamaForCausalLM
+from cadenza.models.partition import stage_layers  # noqa: F401 - this module's API
 from cadenza.models.tp import TPGroup, head_slice, padded_vocab_slice, split_evenly
-
-
-def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
-    if num_stages > num_layers:
-        raise ValueError(f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers")
-    return split_evenly(num_layers, num_stages, stage)
 
 
 def shard_model(model: LlamaForCausalLM, tp: TPGroup, stage: int, num_stages: int) -> LlamaForCausalLM:

@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from cadenza.models.chat_template import render_chat
-from cadenza.models.gguf_loader import field_value
+from cadenza.models.gguf_reader import field_value
 
 # Pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` name (the patterns each
 # model family's reference tokenizer uses).

@@ -1,0 +1,64 @@
+"""The weight formats' names and checks, without torch: what a config, the CLI or the gateway
+validates (cadenza.weight_format resolves them to a WeightFormat with torch dtypes)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+# None: a GGUF file keeps its stored types, anything else loads dense in `dtype`.
+# "none": dense in `dtype` whatever the file; "gguf": keep a GGUF's types (an error for other
+# files); "int8" / "int4": quantize dense weights on load.
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 32
+# The kind (kernels/quant/weight.py) dense weights are stored as, per dtype.
+DENSE_KIND = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# CPU flags (/proc/cpuinfo) that mean native bf16 dot products.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+CPUINFO = Path("/proc/cpuinfo")
+# Overrides the detection of what dtype="auto" means on the CPU (resolve_dtype).
+CPU_AUTO_DTYPE_ENV = "CADENZA_CPU_AUTO_DTYPE"
+
+
+@functools.cache
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The first core's feature flags ("flags" on x86, "Features" on ARM); empty if unknown."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:
+    """dtype "auto": bf16 on CUDA and on CPUs with native bf16 dot products, fp32 elsewhere.
+    On the CPU, $CADENZA_CPU_AUTO_DTYPE (float32 / bfloat16 / float16) overrides the detection:
+    one fleet-wide meaning of "auto" whatever each machine's CPU (the test suite sets float32,
+    so its fp32 comparisons with transformers hold on bf16 CPUs too)."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    if flags is None and (forced := os.environ.get(CPU_AUTO_DTYPE_ENV)):
+        if forced not in DTYPE_NAMES:
+            raise ValueError(f"{CPU_AUTO_DTYPE_ENV}={forced!r}: choose one of {', '.join(DTYPE_NAMES)}")
+        return forced
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
+
+
+def check_format(dtype: str, quantization: str | None, group_size: int) -> None:
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, got {group_size}")
