@@ -6,6 +6,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+from cadenza.config import DEFAULT_MODEL  # noqa: F401 - this module's API
 from cadenza.models.config import ModelConfig
 from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_config
 from cadenza.models.llama import LlamaForCausalLM
