@@ -11,18 +11,12 @@ probe's 1 GiB buffer is not the engine's), and the RSS once loaded.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-# torch is imported where it is used: `cadenza serve` parses these flags without it.
-if TYPE_CHECKING:
-    import torch
-
 import argparse
 import random
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cadenza.benchmarks.context_sweep import DEFAULT_CONTEXTS, context_sweep
 from cadenza.benchmarks.memory import MB, own_peak_rss_bytes, own_rss_bytes, reset_own_peak_rss
@@ -30,6 +24,10 @@ from cadenza.benchmarks.report import report
 from cadenza.engine_args import engine_kwargs
 from cadenza.models.model_files import resolve_model_path
 from cadenza.sampling_params import SamplingParams
+
+# torch is imported where it is used: `cadenza serve` parses these flags without it.
+if TYPE_CHECKING:
+    import torch
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output length)
 
