@@ -8,7 +8,8 @@ OutputBatch carries every request's deltas since the client's last acknowledged 
 message per token, with the StepTiming of each step that produced them. A client on this
 node reads them from the output socket as they are published (actors/output_stream.py);
 one elsewhere keeps a `get_outputs` call parked here. Either way a step's outputs leave
-while the next step computes. A failed step ends the in-flight requests with an error and rebuilds the workers.
+while the next step computes. A failed step ends the in-flight requests with an error and
+rebuilds the workers.
 """
 
 from __future__ import annotations

@@ -228,9 +228,9 @@ class ModelRunner:
         if not model.is_last_stage:
             return self.link.send(x, residual)
         hidden = model.final_norm(x, residual)
+        self._forwarded = time.monotonic()  # the timeline's forward / sample boundary
         # Sampled where the logits are: only the token ids (and logprobs asked for) reach the host.
         logits = self.model.compute_logits(hidden[batch.sample_rows]) if batch.sampling else None
-        self._forwarded = time.monotonic()  # the timeline's forward / sample boundary
         out = self._sample(logits, batch)
         out.prompt_logprobs = self._prompt_logprobs(hidden, batch, out.failed)
         return out

@@ -69,7 +69,7 @@ class Worker:
             return f"tcp://{host}:{s.getsockname()[1]}"
 
     def load(self, dist_url: str | None) -> int:
-        """Join the process group (tensor parallel only), load and shard the model, and size
+        """Join the process group (with TP or PP), load and shard the model, and size
         the KV pool this rank can hold (kv_blocks); allocate() then builds the runner over the
         pool every rank agrees on. Returns the process id, so tests and operators can find
         (and kill) the worker."""
