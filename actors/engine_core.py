@@ -38,7 +38,8 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, max_model_len: int) ->
     KV (all layers, all heads), whatever the number of workers that share it."""
     if config.num_blocks is not None:
         return config.num_blocks
-    dtype_size = config.weight_format.compute_dtype.itemsize
+    fmt = config.weight_format
+    dtype_size = fmt.cache_dtype(fmt.compute_dtype).itemsize
     by_memory = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype_size)
     by_demand = config.max_num_seqs * -(-max_model_len // config.block_size)
     return max(min(by_memory, by_demand), 1)

@@ -61,7 +61,7 @@ class CudaProbe:
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
     """K and V of one block over this rank's layers and KV heads."""
-    itemsize = model.norm.element_size()
+    itemsize = model.weight_format.cache_dtype(model.norm.dtype).itemsize
     return sum(2 * block_size * a.num_kv_heads * a.head_dim * itemsize for a in (ly.self_attn for ly in model.layers))
 
 

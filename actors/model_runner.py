@@ -82,7 +82,7 @@ def allocate_kv_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed, so never-written slots that a padded gather reads are finite (0 * NaN would leak),
     and on the CPU resident only as blocks are first written (see zeroed_kv_tensor)."""
-    dtype, device = model.norm.dtype, model.norm.device
+    dtype, device = model.weight_format.cache_dtype(model.norm.dtype), model.norm.device
     caches = []
     for layer in model.layers:  # this pipeline stage's layers, this rank's KV heads
         shape = (num_blocks, block_size, layer.self_attn.num_kv_heads, layer.self_attn.head_dim)

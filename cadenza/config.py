@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cadenza.device import check_device_name, resolve_device
-from cadenza.format_names import DEFAULT_INT4_GROUP_SIZE, check_format
+from cadenza.format_names import DEFAULT_INT4_GROUP_SIZE, KV_CACHE_DTYPES, check_format
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
@@ -97,6 +97,12 @@ class EngineConfig:
     "cuda:N" or "cpu" (cadenza.device); clients resolve it with placed() before building
     anything, so "cuda" without a GPU is a clear error.
 
+    kv_cache_dtype: the KV cache's element type. "auto" (default): the activations' (fp32 on
+    the CPU, the model's dtype on CUDA); "float16" on the CPU halves what a long context's
+    decode reads (its C kernels widen each key tile to fp32 as they load it) and the pool's
+    bytes, for an fp16 rounding of K and V ("bfloat16" there runs the torch reference). On
+    CUDA the Triton kernels take the activations' dtype only.
+
     block_size: tokens per KV block. num_blocks: the KV pool's size in blocks, when given.
     Else the pool holds what max_num_seqs requests of max_model_len tokens can use at once
     (each rounded up to whole blocks), capped by kv_cache_memory, the bytes of the whole
@@ -146,6 +152,7 @@ class EngineConfig:
     quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE
     int8_activations: bool = False
     device: str = "auto"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
@@ -178,6 +185,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_format(self.dtype, self.quantization, self.quantization_group_size)
         check_device_name(self.device)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -253,5 +262,10 @@ class EngineConfig:
         from cadenza.weight_format import WeightFormat  # torch: only where weights are handled
 
         return WeightFormat.resolve(
-            self.dtype, self.quantization, self.quantization_group_size, self.device, self.int8_activations
+            self.dtype,
+            self.quantization,
+            self.quantization_group_size,
+            self.device,
+            self.int8_activations,
+            self.kv_cache_dtype,
         )

@@ -8,7 +8,13 @@ import json
 
 from cadenza.config import DEFAULT_MODEL
 from cadenza.device import DEVICES
-from cadenza.format_names import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS
+from cadenza.format_names import (
+    DEFAULT_INT4_GROUP_SIZE,
+    DTYPE_CHOICES,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+)
 from cadenza.request_limits import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
@@ -31,6 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--int8-activations", action="store_true", help="CPU q4/q8 kernels read x rounded to int8 (faster, not exact)"
     )
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: CUDA when a GPU is there, else the CPU")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the activations' dtype; float16 halves the KV bytes a long-context decode reads",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="CUDA: the device's share for weights, steps and KV"
@@ -65,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization_group_size=args.quantization_group_size,
         int8_activations=args.int8_activations,
         device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,

@@ -9,6 +9,8 @@ from pathlib import Path
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+# KV cache element types; "auto": the activations' dtype (fp32 on the CPU, the model's on CUDA).
+KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES)
 # None: a GGUF file keeps its stored types, anything else loads dense in `dtype`.
 # "none": dense in `dtype` whatever the file; "gguf": keep a GGUF's types (an error for other
 # files); "int8" / "int4": quantize dense weights on load.

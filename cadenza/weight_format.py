@@ -36,7 +36,8 @@ class WeightFormat:
 
     dtype: "float32" / "bfloat16" / "float16" (never "auto" here). quantization: None,
     "int8" or "int4" (on load). keep_gguf: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K /
-    F16 / BF16 tensors stay as stored. compute_dtype: activations and KV cache.
+    F16 / BF16 tensors stay as stored. compute_dtype: activations. kv_dtype: the KV cache's
+    elements (None: compute_dtype).
     """
 
     dtype: str = "float32"
@@ -46,17 +47,31 @@ class WeightFormat:
     compute_dtype: torch.dtype = torch.float32
     gguf_only: bool = False  # quantization="gguf": an error for a file that is not GGUF
     int8_activations: bool = False  # CPU q4 / q8 kernels read x rounded to int8 (llama.cpp's way)
+    kv_dtype: torch.dtype | None = None
 
     @classmethod
     def resolve(
-        cls, dtype: str, quantization: str | None, group_size: int, device: str, int8_activations: bool = False
+        cls,
+        dtype: str,
+        quantization: str | None,
+        group_size: int,
+        device: str,
+        int8_activations: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> WeightFormat:
         check_format(dtype, quantization, group_size)
         resolved = resolve_dtype(dtype, device)
         on_load = quantization if quantization in ("int8", "int4") else None
         compute = DTYPES[resolved] if device.startswith("cuda") else torch.float32
         keep = quantization in (None, "gguf")
-        return cls(resolved, on_load, group_size, keep, compute, quantization == "gguf", int8_activations)
+        kv = compute if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+        if device.startswith("cuda") and kv != compute:
+            raise ValueError(f"on CUDA the KV cache is in the activations' dtype ({compute}), not {kv_cache_dtype}")
+        return cls(resolved, on_load, group_size, keep, compute, quantization == "gguf", int8_activations, kv)
+
+    def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model whose activations are `activations`."""
+        return self.kv_dtype or activations
 
     @property
     def dense_kind(self) -> str:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from cadenza.kernels import ops
+from cadenza.kernels.attention.cpu import reads_cache
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.cpu.decode_stack import DecodeLayer, DecodeStackKernel, DecodeStackShape, bind_decode_stack
 from cadenza.kernels.linear import LinearMethod, choose_linear_method, dense_linear
@@ -180,7 +181,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers; (x, residual) is what the next pipeline stage continues from."""
         cos_sin = self.cos_sin[positions]
-        if self.decode_stack is not None and x.shape[0] == 1 and ops.backend(x.device) == "cpu":
+        if (
+            self.decode_stack is not None
+            and x.shape[0] == 1
+            and ops.backend(x.device) == "cpu"
+            and reads_cache(kv_caches[0][0])
+        ):
             slot, seq_len = int(meta.slot_mapping[0]), meta.seq_lens[0]
             return self.decode_stack(x, residual, cos_sin, kv_caches, slot, meta.block_tables[0], seq_len)
         for layer, kv in zip(self.layers, kv_caches, strict=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.kernels.attention.cpu import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from cadenza.kernels.attention.cpu import paged_decode_attention_cpu, paged_prefill_attention_cpu, reads_cache
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.attention.reference import paged_attention_ref
 from cadenza.kernels.attention.triton_paged import paged_attention_triton
@@ -23,7 +23,7 @@ def paged_attention(
     """q [T, H, D] -> [T, H, D] for every token of the batch (contract: paged_attention_ref)."""
     if backend(q.device) == "triton":
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    if runs_native(q):
+    if runs_native(q) and reads_cache(k_cache):
         return paged_attention_ref(
             q, k_cache, v_cache, meta, scale, decode=paged_decode_attention_cpu, long=paged_prefill_attention_cpu
         )

@@ -35,9 +35,10 @@ def paged_decode_attention_ref(
     group = num_heads // num_kv_heads
     num_blocks = -(-int(seq_lens.max()) // block_size)
     table = block_tables[:, :num_blocks]
-    # [B, K, L, D] after the gather; padded positions are masked below.
-    k = k_cache[table].flatten(1, 2).transpose(1, 2)
-    v = v_cache[table].flatten(1, 2).transpose(1, 2)
+    # [B, K, L, D] after the gather, in q's dtype (the cache may be narrower: kv_cache_dtype);
+    # padded positions are masked below.
+    k = k_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    v = v_cache[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
     qg = q.view(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, K, G, L]
     positions = torch.arange(scores.shape[-1], device=q.device)
@@ -90,8 +91,8 @@ def paged_prefill_attention_ref(
     qsl = meta.query_start_loc
     for i in requests:
         start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len).to(q.dtype)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len).to(q.dtype)
         out[start:end] = prefill_attention_ref(q[start:end], k, v, scale)
 
 

@@ -162,6 +162,24 @@ FUNCTIONS = (
     PAGED_DECODE_ATTENTION, PAGED_PREFILL_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR,
     ROUND_ACTIVATIONS, PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
 )  # fmt: skip
+# The KV cache dtypes the C kernels read and write (kv_t in the header), with the suffix of
+# the libraries built for each (build.VARIANTS).
+KV_DTYPES = {torch.float32: "", torch.float16: "_f16"}
+_FOR_CACHE: dict[tuple[str, torch.dtype], CFunction] = {}
+
+
+def for_cache(function: CFunction, cache_dtype: torch.dtype) -> CFunction:
+    """`function` as built for KV caches of `cache_dtype` (fp32: itself); a clear error for a
+    dtype the C kernels do not take."""
+    if cache_dtype not in KV_DTYPES:
+        raise ValueError(f"the CPU kernels take KV caches of {sorted(map(str, KV_DTYPES))}, not {cache_dtype}")
+    if not KV_DTYPES[cache_dtype]:
+        return function
+    key = (function.name, cache_dtype)
+    if key not in _FOR_CACHE:
+        library = function.library + KV_DTYPES[cache_dtype]
+        _FOR_CACHE[key] = CFunction(library, function.name, function.args, function.restype)
+    return _FOR_CACHE[key]
 
 
 class DecodeWeight(IntEnum):

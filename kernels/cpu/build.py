@@ -1,6 +1,7 @@
 """Building kernels/csrc for this host: the compiler, its flags, the cache key, the build itself.
 
-Each csrc/<name>.c becomes a shared library compiled by the host's C compiler (`CC`, default
+Each csrc/<name>.c becomes a shared library (and each of VARIANTS another, built from a
+source with extra defines) compiled by the host's C compiler (`CC`, default
 `cc`) for this very CPU (-march=native), cached under CADENZA_CACHE_DIR (default
 ~/.cache/cadenza) as <name>-<key>.so, so a machine builds each library once (about a second).
 Plain C and ctypes rather than a torch C++ extension: no torch headers, no ninja, nothing to
@@ -35,6 +36,12 @@ CFLAGS = (
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
     "-Wall", "-Wmissing-prototypes", "-Werror",
 )  # fmt: skip
+# Libraries built from another library's source with extra flags: name -> (source, flags).
+# The fp16-KV kernels are the fp32 ones with kv_t = fp16 (cadenza_kernels.h).
+VARIANTS = {
+    "decode_attention_f16": ("decode_attention", ("-DCADENZA_KV_F16",)),
+    "decode_layer_f16": ("decode_layer", ("-DCADENZA_KV_F16",)),
+}
 CPUINFO = Path("/proc/cpuinfo")
 # What -march=native depends on, as /proc/cpuinfo names it ("Features": ARM's "flags").
 _CPU_FIELDS = ("model name", "flags", "Features")
@@ -90,19 +97,22 @@ def load(name: str) -> ctypes.CDLL | None:
     if shutil.which(command) is None:
         log.warning("no C compiler (%s) on PATH: the CPU runs the torch reference for %s", command, name)
         return None
+    source, defines = VARIANTS.get(name, (name, ()))
     target = cache_dir() / f"{name}-{cache_key(command)}.so"
-    if not target.exists() and not _build(command, SOURCES / f"{name}.c", target):
+    if not target.exists() and not _build(command, SOURCES / f"{source}.c", target, defines):
         return None
     return ctypes.CDLL(str(target))
 
 
-def _build(command: str, source: Path, target: Path) -> bool:
+def _build(command: str, source: Path, target: Path, defines: tuple[str, ...] = ()) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: processes that race to build never load half a file.
     fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([command, *CFLAGS, str(source), "-o", scratch, "-lm"], capture_output=True, text=True)
+        done = subprocess.run(
+            [command, *CFLAGS, *defines, str(source), "-o", scratch, "-lm"], capture_output=True, text=True
+        )
         if done.returncode != 0:
             log.warning("building %s failed; the torch reference runs instead:\n%s", source.name, done.stderr[-2000:])
             return False

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadenza.kernels.cpu.bindings import DECODE_LAYER_SCRATCH, DECODE_LAYERS, DecodeDim, DecodeWeight
+from cadenza.kernels.cpu.bindings import DECODE_LAYER_SCRATCH, DECODE_LAYERS, DecodeDim, DecodeWeight, for_cache
 from cadenza.kernels.cpu.gemv import gemv_available
 from cadenza.kernels.cpu.packed import BoundWeight
 from cadenza.kernels.linear.base import LinearMethod
@@ -136,7 +136,7 @@ class DecodeStackKernel:
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         self.dims[DecodeDim.D_BLOCK_SIZE] = kv_caches[0][0].shape[1]
         # The caches' pointer arrays hold addresses only: kv_caches itself keeps them alive.
-        status = DECODE_LAYERS(
+        status = for_cache(DECODE_LAYERS, kv_caches[0][0].dtype)(
             w=self.pointers, n_layers=len(self.layers), dims=self.dims, eps=self.eps, scale=self.scale, x=x,
             res=residual, out=out, res_out=res_out, cos_sin=cos_sin, k_caches=_pointers([k for k, _ in kv_caches]),
             v_caches=_pointers([v for _, v in kv_caches]), slot=slot, block_table=block_table, seq_len=seq_len,

@@ -3,17 +3,26 @@
  * Each .c file includes this header, so a definition that drifts from its declaration fails
  * the build (-Wall -Werror) instead of being called with the wrong arguments. The parameter
  * names here are the names bindings.py passes by keyword (tests/kernels check they agree).
- * All tensors are fp32 and contiguous unless a stride argument says otherwise.
+ * All tensors are fp32 and contiguous unless a stride argument says otherwise; KV caches
+ * are kv_t.
  */
 #ifndef CADENZA_KERNELS_H
 #define CADENZA_KERNELS_H
 
 #include <stdint.h>
 
+/* The KV cache's element: fp32, or fp16 bits where the library is built with -DCADENZA_KV_F16
+ * (the decode_attention_f16 and decode_layer_f16 libraries, build.py's VARIANTS). */
+#ifdef CADENZA_KV_F16
+typedef uint16_t kv_t;
+#else
+typedef float kv_t;
+#endif
+
 /* decode_attention.c: one query row per entry, K/V read in place through the block tables,
  * each row's context split over the threads (flash-decoding). Returns 0, or -1 when a
  * scratch allocation failed. */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+int paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                            const int64_t *block_tables, int64_t table_stride,
                            const int64_t *seq_lens, float *out, int num_rows, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, float scale,
@@ -23,7 +32,7 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
  * num_reqs requests, request r's query_lens[r] tokens starting at row query_start[r] of q and
  * out [tokens, H, D], causal over its seq_lens[r] keys, tiled flash-style over the paged cache.
  * Only those rows of out are written. Returns 0, or -1 when a scratch allocation failed. */
-int paged_prefill_attention(const float *q, const float *k_cache, const float *v_cache,
+int paged_prefill_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *query_start,
                             const int64_t *query_lens, const int64_t *seq_lens, float *out, int num_reqs,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
@@ -69,7 +78,7 @@ enum decode_dim { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SI
 int64_t decode_layer_scratch(const int64_t *dims);
 int decode_layers(const void *const *w, int64_t n_layers, const int64_t *dims, float eps, float scale,
                   const float *x, const float *res, float *out, float *res_out, const float *cos_sin,
-                  float *const *k_caches, float *const *v_caches, int64_t slot, const int64_t *block_table,
+                  kv_t *const *k_caches, kv_t *const *v_caches, int64_t slot, const int64_t *block_table,
                   int64_t seq_len, float *scratch, int num_threads);
 
 #endif /* CADENZA_KERNELS_H */

@@ -20,6 +20,11 @@
  * 1 GiB: each thread alternates a tile's burst load with its arithmetic, which software
  * prefetching could not overlap here (it measured slower).
  *
+ * fp16 caches (-DCADENZA_KV_F16) halve the bytes a step reads. The products widen K and V
+ * as they load them (kv_load8: one F16C conversion a vector). 6144-token decode, SmolLM2,
+ * 2 threads: 0.35 ms a layer, against 0.49 for fp32 caches; widening each tile (0.44) or
+ * each KV head's rows (0.43) into a buffer first measured slower.
+ *
  * Layouts (contiguous): q, out [R, H, D]; caches [num_blocks, block_size, KH, D];
  * block_tables [R, table_stride] int64; seq_lens [R] int64 (each >= 1: the row's own token).
  *
@@ -33,7 +38,8 @@
 enum { DEC_TILE = 32, DEC_MIN_SPLIT = 128, DEC_ITEMS_PER_THREAD = 8, DEC_MAX_SPLITS = 64 };
 
 struct decode_shape {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const kv_t *k_cache, *v_cache;
     float *out, *partials; /* partials: [split][H][2 + D] (max, sum, output), when any row splits */
     const int64_t *block_tables, *seq_lens;
     const int64_t *first_split, *split_len; /* [R + 1] each row's first split; [R] its keys a split */
@@ -43,17 +49,17 @@ struct decode_shape {
 };
 
 /* s[0..8) = q . k[jj] for eight keys: one accumulator per key, reduced together at the end. */
-static void scores8(const float *q, const float *const *k, int head_dim, float *s) {
+static void scores8(const float *q, const kv_t *const *k, int head_dim, float *s) {
     vf8 acc[8];
     for (int jj = 0; jj < 8; ++jj) acc[jj] = vf8_zero();
     int d = 0;
     for (; d + 8 <= head_dim; d += 8) {
         const vf8 qd = vf8_load(q + d);
-        for (int jj = 0; jj < 8; ++jj) acc[jj] = vf8_fma(qd, vf8_load(k[jj] + d), acc[jj]);
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = vf8_fma(qd, kv_load8(k[jj] + d), acc[jj]);
     }
     vf8_store(s, vf8_sum8(acc));
     for (; d < head_dim; ++d)
-        for (int jj = 0; jj < 8; ++jj) s[jj] += q[d] * k[jj][d];
+        for (int jj = 0; jj < 8; ++jj) s[jj] += q[d] * kv_get(k[jj] + d);
 }
 
 /* One head's online-softmax step over a tile of padded scores (multiple of 8; the padding is
@@ -75,7 +81,7 @@ static float softmax_step(float *s, int padded, float *m, float *l) {
 
 /* acc[0..D) = alpha * acc + sum_j p[j] v[j] over the tile's n keys: 64 (then 8, then 1)
  * output dims held in registers across all n keys, so acc is loaded and stored once a tile. */
-static void values_step(const float *p, const float *const *v, int n, int head_dim, float alpha, float *acc) {
+static void values_step(const float *p, const kv_t *const *v, int n, int head_dim, float alpha, float *acc) {
     const vf8 a = vf8_set1(alpha);
     int d = 0;
     for (; d + 64 <= head_dim; d += 64) {
@@ -83,18 +89,18 @@ static void values_step(const float *p, const float *const *v, int n, int head_d
         for (int k = 0; k < 8; ++k) o[k] = vf8_load(acc + d + 8 * k) * a;
         for (int j = 0; j < n; ++j) {
             const vf8 pj = vf8_set1(p[j]);
-            for (int k = 0; k < 8; ++k) o[k] = vf8_fma(pj, vf8_load(v[j] + d + 8 * k), o[k]);
+            for (int k = 0; k < 8; ++k) o[k] = vf8_fma(pj, kv_load8(v[j] + d + 8 * k), o[k]);
         }
         for (int k = 0; k < 8; ++k) vf8_store(acc + d + 8 * k, o[k]);
     }
     for (; d + 8 <= head_dim; d += 8) {
         vf8 o = vf8_load(acc + d) * a;
-        for (int j = 0; j < n; ++j) o = vf8_fma(vf8_set1(p[j]), vf8_load(v[j] + d), o);
+        for (int j = 0; j < n; ++j) o = vf8_fma(vf8_set1(p[j]), kv_load8(v[j] + d), o);
         vf8_store(acc + d, o);
     }
     for (; d < head_dim; ++d) {
         float o = acc[d] * alpha;
-        for (int j = 0; j < n; ++j) o += p[j] * v[j][d];
+        for (int j = 0; j < n; ++j) o += p[j] * kv_get(v[j] + d);
         acc[d] = o;
     }
 }
@@ -112,7 +118,7 @@ static vf8 decode_tile(const struct decode_shape *s, const float *qs, const int6
                        float *m, float *l, float *acc) {
     const int padded = (n + 7) / 8 * 8, head_dim = s->head_dim, group = s->group;
     const vf8 touched = touch_rows(s->k_cache, s->v_cache, rows, n, s->token_stride);
-    const float *k[DEC_TILE], *v[DEC_TILE];
+    const kv_t *k[DEC_TILE], *v[DEC_TILE];
     for (int kh = 0; kh < s->num_kv_heads; ++kh) {
         for (int j = 0; j < padded; ++j) {
             const int64_t row = rows[j < n ? j : n - 1] + (int64_t)kh * head_dim; /* padding: read, unused */
@@ -222,7 +228,7 @@ static int64_t plan_splits(const int64_t *seq_lens, int num_rows, int num_thread
 }
 
 /* Returns 0, or -1 when a scratch allocation failed (the caller raises). */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+int paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                            const int64_t *block_tables, int64_t table_stride,
                            const int64_t *seq_lens, float *out, int num_rows, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, float scale,

@@ -11,7 +11,8 @@
  * decode_layers runs a whole pipeline stage's layers in one call, which also saves ~30 us of
  * ctypes and tensor bookkeeping a layer (about 1 ms a token for SmolLM2's 30).
  * The projections are struct packed_weight (packed_linear.c), so every weight format runs here;
- * tensor parallelism takes the ordinary path.
+ * tensor parallelism takes the ordinary path. Built with -DCADENZA_KV_F16 (decode_layer_f16),
+ * the caches hold fp16: the new K/V rows are rounded into them, attention widens what it reads.
  */
 #include <string.h>
 
@@ -31,8 +32,8 @@ int64_t decode_layer_scratch(const int64_t *dims) {
  * x may be out and res may be res_out: each is read before its alias is written.
  * Returns 0, or -1 if attention could not allocate its scores. */
 static int decode_layer(const void *const *w, const int64_t *dims, float eps, float scale, const float *x,
-                 const float *res, float *out, float *res_out, const float *cos_sin, float *k_cache,
-                 float *v_cache, int64_t slot, const int64_t *block_table, int64_t seq_len,
+                 const float *res, float *out, float *res_out, const float *cos_sin, kv_t *k_cache,
+                 kv_t *v_cache, int64_t slot, const int64_t *block_table, int64_t seq_len,
                  float *scratch, int num_threads) {
     const int64_t hidden = dims[D_HIDDEN], heads = dims[D_HEADS], kv_heads = dims[D_KV_HEADS];
     const int64_t head_dim = dims[D_HEAD_DIM], inter = dims[D_INTER];
@@ -49,9 +50,15 @@ static int decode_layer(const void *const *w, const int64_t *dims, float eps, fl
     packed_linear(w[W_QKV], h, w[B_QKV], qkv, 1, num_threads);
     float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
     /* RoPE into the cache row and attn (as scratch for q), then attention reads q from there. */
-    float *k_row = k_cache + slot * kv_size, *v_row = v_cache + slot * kv_size;
+    kv_t *k_row = k_cache + slot * kv_size, *v_row = v_cache + slot * kv_size;
+#ifdef CADENZA_KV_F16
+    rotary(k, kv_size, head_dim, cos_sin, attn, 1, kv_heads, head_dim / 2, 1); /* attn: q_size >= kv_size */
+    narrow_to_half(attn, kv_size, k_row);
+    narrow_to_half(v, kv_size, v_row);
+#else
     rotary(k, kv_size, head_dim, cos_sin, k_row, 1, kv_heads, head_dim / 2, 1);
     memcpy(v_row, v, sizeof(float) * kv_size);
+#endif
     rotary(q, q_size, head_dim, cos_sin, attn, 1, heads, head_dim / 2, 1);
     memcpy(q, attn, sizeof(float) * q_size);
     int64_t one_len = seq_len;
@@ -71,7 +78,7 @@ static int decode_layer(const void *const *w, const int64_t *dims, float eps, fl
  * k_caches[l], v_caches[l]; each layer continues from the previous one's (out, res_out). */
 int decode_layers(const void *const *w, int64_t n_layers, const int64_t *dims, float eps, float scale,
                   const float *x, const float *res, float *out, float *res_out, const float *cos_sin,
-                  float *const *k_caches, float *const *v_caches, int64_t slot, const int64_t *block_table,
+                  kv_t *const *k_caches, kv_t *const *v_caches, int64_t slot, const int64_t *block_table,
                   int64_t seq_len, float *scratch, int num_threads) {
     for (int64_t l = 0; l < n_layers; ++l) {
         const float *layer_x = l ? out : x, *layer_res = l ? res_out : res;

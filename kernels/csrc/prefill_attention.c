@@ -17,6 +17,9 @@
  * host a 6144-token prompt's attention (chunks of 2048) runs at ~100-128 GFLOP/s, about the
  * torch.mm rate, against ~15 for the gather + SDPA path (benchmarks/attention_cpu.py).
  *
+ * fp16 caches (-DCADENZA_KV_F16): each key tile's rows are widened to fp32 once, into the
+ * thread's buffers, and the products run on those; the widening pass is the tile's burst load.
+ *
  * Layouts (contiguous): q, out [tokens, H, D]; caches [num_blocks, block_size, KH, D];
  * block_tables [R, table_stride] int64. Request r's query tokens are
  * q[query_start[r] .. + query_lens[r]); token t sits at position seq_len - query_len + t and
@@ -170,6 +173,23 @@ static void kv_rows(const int64_t *table, int block_size, int64_t pos, int n, in
  * first brings a tile from memory at close to streaming bandwidth, then the arithmetic runs
  * on it from L1/L2 (6144-token decode, SmolLM2, 2 threads: 9 -> 12 GB/s; one thread 5 -> 7).
  * Software prefetches of the next tile, any distance or hint, measured slower on this host. */
+#ifdef CADENZA_KV_F16
+/* fp16 rows: one integer load a cache line (as floats, fp16 bit pairs could be denormals,
+ * which some CPUs add slowly). */
+static vf8 touch_rows(const kv_t *k_cache, const kv_t *v_cache, const int64_t *rows, int n, int64_t count) {
+    uint32_t sum = 0;
+    for (int j = 0; j < n; ++j) {
+        const unsigned char *k = (const unsigned char *)(k_cache + rows[j]), *v = (const unsigned char *)(v_cache + rows[j]);
+        const int64_t bytes = count * (int64_t)sizeof(kv_t);
+        for (int64_t b = 0; b < bytes; b += 64) {
+            uint32_t x, y;
+            memcpy(&x, k + b, sizeof x), memcpy(&y, v + b, sizeof y);
+            sum ^= x ^ y;
+        }
+    }
+    return vf8_set1((float)(sum & 1));
+}
+#else
 static vf8 touch_rows(const float *k_cache, const float *v_cache, const int64_t *rows, int n, int64_t floats) {
     vf8 a = vf8_zero(), b = vf8_zero(), c = vf8_zero(), d = vf8_zero(); /* 4 chains: adds never wait */
     for (int j = 0; j < n; ++j) {
@@ -184,6 +204,83 @@ static vf8 touch_rows(const float *k_cache, const float *v_cache, const int64_t 
     }
     return (a + b) + (c + d);
 }
+#endif
+
+/* ---- the cache's element type ------------------------------------------------------------ */
+
+#ifdef CADENZA_KV_F16
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline float half_to_float(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+
+/* n values from fp16 bits to fp32: 8 at a time by F16C where the CPU has it. */
+static void widen_half(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+/* n fp32 values to fp16 bits, rounded to nearest even. */
+static inline void narrow_to_half(const float *src, int64_t n, uint16_t *dst) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; ++i) {
+        const _Float16 x = (_Float16)src[i];
+        memcpy(dst + i, &x, sizeof x);
+    }
+}
+#endif
+
+#ifdef CADENZA_KV_F16
+/* 8 cached values as fp32 (decode reads fp16 K/V in place, widening as it loads). */
+static inline vf8 kv_load8(const kv_t *p) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf8 x;
+    for (int i = 0; i < 8; ++i) x[i] = half_to_float(p[i]);
+    return x;
+#endif
+}
+static inline float kv_get(const kv_t *p) { return half_to_float(*p); }
+#else
+static inline vf8 kv_load8(const kv_t *p) { return vf8_load(p); }
+static inline float kv_get(const kv_t *p) { return *p; }
+#endif
+
+/* Where the products read a tile's n K/V rows (`floats` each, at cache + rows[j]) as fp32:
+ * *k, *v and offsets[j]. An fp32 cache is read in place, first loaded in a burst
+ * (touch_rows); an fp16 one is widened into buf (2 n floats rows), which is that burst.
+ * Returns what the loads summed (kept, so they are not removed). */
+static vf8 tile_rows(const kv_t *k_cache, const kv_t *v_cache, const int64_t *rows, int n, int64_t floats,
+                     float *buf, const float **k, const float **v, int64_t *offsets) {
+#ifdef CADENZA_KV_F16
+    float *kt = buf, *vt = buf + (size_t)n * floats;
+    for (int j = 0; j < n; ++j) {
+        widen_half(k_cache + rows[j], floats, kt + j * floats);
+        widen_half(v_cache + rows[j], floats, vt + j * floats);
+        offsets[j] = j * floats;
+    }
+    *k = kt, *v = vt;
+    return vf8_zero();
+#else
+    (void)buf;
+    memcpy(offsets, rows, sizeof(int64_t) * n);
+    *k = k_cache, *v = v_cache;
+    return touch_rows(k_cache, v_cache, rows, n, floats);
+#endif
+}
 
 /* ---- prefill ---------------------------------------------------------------------------- */
 
@@ -196,7 +293,8 @@ static vf8 touch_rows(const float *k_cache, const float *v_cache, const int64_t 
 enum { PF_LANES = 16, PF_KEYS = 6, PF_DIMS = 6, PF_KEY_TILE = 48, PF_ROWS = 96 };
 
 struct prefill_shape {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const kv_t *k_cache, *v_cache;
     float *out;
     const int64_t *block_tables, *query_start, *query_lens, *seq_lens;
     int64_t table_stride, token_stride; /* token_stride: KH * D floats between cache rows */
@@ -209,6 +307,8 @@ struct prefill_shape {
 struct prefill_scratch {
     float *qt, *st, *ot;           /* Q^T [D][lanes], S^T / P^T [PF_KEY_TILE][lanes], O^T [D][lanes] */
     float *m, *l, *alpha, *qpos;   /* [lanes]: running max, running sum, rescale, query position */
+    float *kv;                     /* fp16 caches: a key tile's K and V rows widened [2][PF_KEY_TILE][D] */
+    const float *k, *v;            /* the current tile's K / V rows as fp32: k + rows[j] */
     int64_t rows[PF_KEY_TILE];
 };
 
@@ -222,7 +322,7 @@ static int prefill_tile_tokens(int group) {
 }
 
 static struct prefill_scratch *prefill_scratch_new(int head_dim, int lanes) {
-    const size_t floats = (size_t)lanes * (2 * head_dim + PF_KEY_TILE + 4);
+    const size_t floats = (size_t)lanes * (2 * head_dim + PF_KEY_TILE + 4) + 2 * PF_KEY_TILE * (size_t)head_dim;
     struct prefill_scratch *w = malloc(sizeof *w);
     float *data = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!w || !data) {
@@ -232,6 +332,7 @@ static struct prefill_scratch *prefill_scratch_new(int head_dim, int lanes) {
     }
     w->qt = data, w->st = w->qt + (size_t)head_dim * lanes, w->ot = w->st + (size_t)PF_KEY_TILE * lanes;
     w->m = w->ot + (size_t)head_dim * lanes, w->l = w->m + lanes, w->alpha = w->l + lanes, w->qpos = w->alpha + lanes;
+    w->kv = w->qpos + lanes;
     return w;
 }
 
@@ -278,7 +379,7 @@ static inline __attribute__((always_inline)) void qk_block(int nk, const float *
 /* S^T for keys [0, padded) of the tile; keys past the tile's real ones repeat its last row. */
 static void tile_scores(const struct prefill_shape *s, const struct prefill_scratch *w, int padded) {
     const float *k[PF_KEY_TILE];
-    for (int j = 0; j < padded; ++j) k[j] = s->k_cache + w->rows[j];
+    for (int j = 0; j < padded; ++j) k[j] = w->k + w->rows[j];
     for (int j0 = 0; j0 < padded; j0 += PF_KEYS)
         for (int i0 = 0; i0 < s->lanes; i0 += PF_LANES)
             qk_block(PF_KEYS, k + j0, w->qt + i0, s->lanes, s->head_dim, w->st + j0 * s->lanes + i0);
@@ -345,7 +446,7 @@ static inline __attribute__((always_inline)) void pv_block(int nd, const float *
 static void tile_values(const struct prefill_shape *s, struct prefill_scratch *w, int n) {
     const float *v[PF_KEY_TILE];
     const int lanes = s->lanes, head_dim = s->head_dim, full = head_dim - head_dim % PF_DIMS;
-    for (int j = 0; j < n; ++j) v[j] = s->v_cache + w->rows[j];
+    for (int j = 0; j < n; ++j) v[j] = w->v + w->rows[j];
     for (int i0 = 0; i0 < lanes; i0 += PF_LANES) {
         const float *pt = w->st + i0, *alpha = w->alpha + i0;
         float *ot = w->ot + i0;
@@ -386,10 +487,11 @@ static void prefill_item(const struct prefill_shape *s, struct prefill_scratch *
     for (int64_t key0 = 0; key0 < end; key0 += PF_KEY_TILE) {
         const int n = (int)(end - key0 < PF_KEY_TILE ? end - key0 : PF_KEY_TILE);
         const int padded = (n + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
-        kv_rows(table, s->block_size, key0, n, s->token_stride, (int64_t)kh * s->head_dim, w->rows);
-        for (int j = n; j < padded; ++j) w->rows[j] = w->rows[n - 1];
+        int64_t rows[PF_KEY_TILE];
+        kv_rows(table, s->block_size, key0, n, s->token_stride, (int64_t)kh * s->head_dim, rows);
         /* K/V come from L3 or memory once per query tile (one core, 6144-token prompt: 47 -> 54 GFLOP/s) */
-        touched += touch_rows(s->k_cache, s->v_cache, w->rows, n, s->head_dim);
+        touched += tile_rows(s->k_cache, s->v_cache, rows, n, s->head_dim, w->kv, &w->k, &w->v, w->rows);
+        for (int j = n; j < padded; ++j) w->rows[j] = w->rows[n - 1];
         tile_scores(s, w, padded);
         if (key0 + n - 1 > first) mask_future(s, w, key0, n);
         tile_softmax(s, w, n);
@@ -412,7 +514,7 @@ static int request_of(const int64_t *first, int num_reqs, int64_t index) {
 }
 
 /* Returns 0, or -1 when a scratch allocation failed (the caller raises). */
-int paged_prefill_attention(const float *q, const float *k_cache, const float *v_cache,
+int paged_prefill_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *query_start,
                             const int64_t *query_lens, const int64_t *seq_lens, float *out, int num_reqs,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,

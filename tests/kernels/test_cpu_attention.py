@@ -1,4 +1,6 @@
-"""The `cpu` backend's C attention kernels against the torch reference, fp32, tight bounds.
+"""The `cpu` backend's C attention kernels against the torch reference, fp32, tight bounds;
+over fp32 and fp16 KV caches (the reference reads the same fp16 values widened, so the bounds
+stay fp32's: what fp16 costs against fp32 is the engine tests' business).
 
 Decode (csrc/decode_attention.c) splits each row's context over the threads and combines the
 partial softmaxes; prefill/extend (csrc/prefill_attention.c) tiles queries and keys flash-
@@ -21,7 +23,7 @@ from cadenza.kernels.attention.reference import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
-from cadenza.kernels.cpu.bindings import PAGED_DECODE_ATTENTION
+from cadenza.kernels.cpu.bindings import PAGED_DECODE_ATTENTION, for_cache
 from tests.kernels.test_attention_kernels import _paged_batch
 
 pytestmark = pytest.mark.skipif(
@@ -32,6 +34,11 @@ pytestmark = pytest.mark.skipif(
 HEADS = [(4, 4), (9, 3), (16, 2), (4, 1)]
 SHAPES = [(64, 16), (16, 1), (40, 32), (12, 16)]  # (head_dim, block_size)
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+CACHE_DTYPES = [torch.float32, torch.float16]
+
+
+def _narrowed(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return k_cache.to(dtype), v_cache.to(dtype)
 
 
 def _decode_with_threads(
@@ -41,7 +48,7 @@ def _decode_with_threads(
     (how many chunks a row's context becomes) depends on it."""
     out = torch.empty_like(q)
     tables = meta.block_tables.to(torch.int64).contiguous()
-    status = PAGED_DECODE_ATTENTION(
+    status = for_cache(PAGED_DECODE_ATTENTION, k_cache.dtype)(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, table_stride=tables.shape[1],
         seq_lens=meta.seq_lens_tensor, out=out, num_rows=q.shape[0], num_heads=q.shape[1],
         num_kv_heads=k_cache.shape[2], head_dim=q.shape[2], block_size=k_cache.shape[1],
@@ -51,31 +58,40 @@ def _decode_with_threads(
     return out
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize(("head_dim", "block_size"), SHAPES)
-def test_decode_rows_match_the_reference(heads: tuple[int, int], head_dim: int, block_size: int) -> None:
+def test_decode_rows_match_the_reference(
+    heads: tuple[int, int], head_dim: int, block_size: int, cache_dtype: torch.dtype
+) -> None:
     """One-token contexts, mid-block ends, and contexts long enough to split in several."""
     torch.manual_seed(head_dim + block_size + heads[0])
     seq_lens = [1, 37, 700, 129, 16, 300]
     q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * len(seq_lens), heads, head_dim, block_size, torch.float32)
+    k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
     args = (meta.block_tables, meta.seq_lens_tensor, head_dim**-0.5)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, *args)
     torch.testing.assert_close(attention_cpu.paged_decode_attention_cpu(q, k_cache, v_cache, *args), expected, **TOL)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("seq_lens", [[2000], [1, 1500], [129, 5, 1024, 64, 333, 17, 800, 2]])
-def test_every_split_plan_gives_the_same_answer(threads: int, seq_lens: list[int]) -> None:
+def test_every_split_plan_gives_the_same_answer(threads: int, seq_lens: list[int], cache_dtype: torch.dtype) -> None:
     """A lone long row splits up to 8 x threads ways; a big batch not at all."""
     torch.manual_seed(threads + len(seq_lens))
     q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * len(seq_lens), (9, 3), 64, 16, torch.float32)
+    k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, 0.125)
     torch.testing.assert_close(_decode_with_threads(q, k_cache, v_cache, meta, threads), expected, **TOL)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize(("head_dim", "block_size"), SHAPES)
-def test_a_ragged_batch_matches_the_reference(heads: tuple[int, int], head_dim: int, block_size: int) -> None:
+def test_a_ragged_batch_matches_the_reference(
+    heads: tuple[int, int], head_dim: int, block_size: int, cache_dtype: torch.dtype
+) -> None:
     """Decodes, a k+1 = 5 verification and a 16-token extend (decode rows), then long runs: a
     17-token extend, a fresh prefill of 70, an extend of 100 after 233 cached, a fresh prefill
     of 129 and an extend of 33 after 1 cached (runs that end mid-tile and mid-block)."""
@@ -83,6 +99,7 @@ def test_a_ragged_batch_matches_the_reference(heads: tuple[int, int], head_dim: 
     seq_lens = [37, 300, 50, 133, 40, 70, 333, 129, 34]
     q_lens = [1, 1, 5, 16, 17, 70, 100, 129, 33]
     q, k_cache, v_cache, meta = _paged_batch(seq_lens, q_lens, heads, head_dim, block_size, torch.float32)
+    k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
     scale = head_dim**-0.5
     expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
     meta.decode_plan = None
@@ -93,8 +110,10 @@ def test_a_ragged_batch_matches_the_reference(heads: tuple[int, int], head_dim: 
     torch.testing.assert_close(got, expected, **TOL)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 5])
-def test_a_long_prompt_in_chunks_matches_the_reference(threads: int) -> None:
+@pytest.mark.parametrize(
+    ("threads", "cache_dtype"), [(1, torch.float32), (2, torch.float32), (5, torch.float32), (2, torch.float16)]
+)
+def test_a_long_prompt_in_chunks_matches_the_reference(threads: int, cache_dtype: torch.dtype) -> None:
     """SmolLM2's shapes, a 1000-token prompt as chunks of 384 over the paged cache: chunk i
     attends to all before it; many query tiles and key tiles, the diagonal ones masked."""
     torch.manual_seed(threads)
@@ -102,6 +121,7 @@ def test_a_long_prompt_in_chunks_matches_the_reference(threads: int) -> None:
     torch.set_num_threads(threads)
     try:
         q_all, k_cache, v_cache, meta = _paged_batch([1000], [1000], (9, 3), 64, 16, torch.float32)
+        k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
         for start in range(0, 1000, 384):
             end = min(1000, start + 384)
             chunk = AttentionMetadata(
@@ -139,3 +159,8 @@ def test_the_prefill_kernel_refuses_what_it_cannot_read() -> None:
     q, k_cache, v_cache, meta = _paged_batch([40], [40], (2, 2), 64, 16, torch.float32)
     with pytest.raises(ValueError, match="fp32 CPU"):
         attention_cpu.paged_prefill_attention_cpu(q.half(), k_cache, v_cache, meta, [0], 0.125, torch.empty_like(q))
+    bf16 = k_cache.bfloat16(), v_cache.bfloat16()
+    with pytest.raises(ValueError, match="fp32 or fp16 CPU KV caches"):
+        attention_cpu.paged_prefill_attention_cpu(q, *bf16, meta, [0], 0.125, torch.empty_like(q))
+    with pytest.raises(ValueError, match="fp32 or fp16 CPU KV caches"):
+        attention_cpu.paged_decode_attention_cpu(q, *bf16, meta.block_tables, meta.seq_lens_tensor, 0.125)
