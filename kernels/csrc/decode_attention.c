@@ -22,7 +22,7 @@
  *
  * fp16 caches (-DCADENZA_KV_F16) halve the bytes a step reads. The products widen K and V
  * as they load them (kv_load8: one F16C conversion a vector). 6144-token decode, SmolLM2,
- * 2 threads: 0.35 ms a layer, against 0.49 for fp32 caches; widening each tile (0.44) or
+ * 2 threads: 0.33 ms a layer, against 0.50 for fp32 caches; widening each tile (0.44) or
  * each KV head's rows (0.43) into a buffer first measured slower.
  *
  * Layouts (contiguous): q, out [R, H, D]; caches [num_blocks, block_size, KH, D];
@@ -34,8 +34,14 @@
 #include "prefill_attention.c"
 
 /* DEC_TILE keys a step: their scores (H x DEC_TILE) and K/V rows (48 KB for SmolLM2) stay in
- * L1/L2. Splits are at least DEC_MIN_SPLIT keys and a whole number of tiles. */
-enum { DEC_TILE = 32, DEC_MIN_SPLIT = 128, DEC_ITEMS_PER_THREAD = 8, DEC_MAX_SPLITS = 64 };
+ * L1/L2; fp16 rows are half the bytes, so twice the keys (6144-token decode: from 0.70 to
+ * 0.65 of the fp32 kernel's time). Splits are at least DEC_MIN_SPLIT keys and a whole number of tiles. */
+#ifdef CADENZA_KV_F16
+enum { DEC_TILE = 64 };
+#else
+enum { DEC_TILE = 32 };
+#endif
+enum { DEC_MIN_SPLIT = 128, DEC_ITEMS_PER_THREAD = 8, DEC_MAX_SPLITS = 64 };
 
 struct decode_shape {
     const float *q;
