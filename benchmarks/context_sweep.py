@@ -6,11 +6,16 @@ per token (the LM head once, for the token sampled) plus causal attention's 4 * 
 (query, key) pair and head (QK^T and PV). Decode keeps the rate at the start as its baseline:
 a step reads the weights and the context's KV once, so the rate falls with context only as
 far as the KV bytes add to the weight bytes.
+
+The sweep runs in rounds (every context once a round, each with a prompt of its own, so no
+prefix-cache hit), and each round's ratio to the start is taken within that round: on a noisy
+machine one slow start run would otherwise move every context's ratio. Rows report medians.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from typing import Any
 
@@ -19,6 +24,7 @@ from cadenza.sampling_params import SamplingParams
 
 DEFAULT_CONTEXTS = (0, 2048, 6144)
 DECODE_TOKENS = 32  # per context: enough steps for a stable rate, few enough to stay at that context
+DEFAULT_SWEEP_ROUNDS = 3
 
 
 def projection_params(cfg: ModelConfig) -> int:
@@ -50,26 +56,35 @@ def _one(llm: Any, prompt: list[int]) -> tuple[float, float]:
     return m.first_token_time - start, decode
 
 
-def context_sweep(llm: Any, cfg: ModelConfig, gemm_gflops: float, contexts: tuple[int, ...], seed: int) -> dict:
-    """TTFT and decode tok/s per context length, with the ratios the issue's targets read."""
+def context_sweep(
+    llm: Any, cfg: ModelConfig, gemm_gflops: float, contexts: tuple[int, ...], seed: int, rounds: int = 1
+) -> dict:
+    """TTFT and decode tok/s per context length, with the ratios the issue's targets read:
+    medians over `rounds` interleaved rounds, each round's values in `rounds`."""
     rng = random.Random(seed)
     _one(llm, [rng.randrange(100, cfg.vocab_size) for _ in range(16)])  # warm-up
-    rows: dict[str, Any] = {}
-    for n in contexts:
-        prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(max(n, 16))]
-        ttft, decode = _one(llm, prompt)
-        flops = prefill_flops(cfg, len(prompt))
-        bound_s = (flops["gemm_flops"] + flops["attention_flops"]) / (gemm_gflops * 1e9)
-        rows[str(n)] = {
-            "prompt_tokens": len(prompt),
-            "ttft_s": ttft,
-            **flops,
-            "flops_bound_s": bound_s,
-            "gemm_only_bound_s": flops["gemm_flops"] / (gemm_gflops * 1e9),
-            "ttft_over_bound": ttft / bound_s,
-            "decode_tok_s": decode,
-        }
-    start = rows[str(contexts[0])]["decode_tok_s"]
-    for row in rows.values():
-        row["decode_vs_start"] = row["decode_tok_s"] / start
-    return rows
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in contexts}
+    for _ in range(rounds):
+        for n in contexts:
+            ttft, decode = _one(llm, [rng.randrange(100, cfg.vocab_size) for _ in range(max(n, 16))])
+            runs[n].append({"ttft_s": ttft, "decode_tok_s": decode})
+        for n in contexts:  # this round's ratio to this round's start
+            runs[n][-1]["decode_vs_start"] = runs[n][-1]["decode_tok_s"] / runs[contexts[0]][-1]["decode_tok_s"]
+    return {str(n): _row(cfg, max(n, 16), runs[n], gemm_gflops) for n in contexts}
+
+
+def _row(cfg: ModelConfig, tokens: int, runs: list[dict[str, float]], gemm_gflops: float) -> dict[str, Any]:
+    flops = prefill_flops(cfg, tokens)
+    bound_s = (flops["gemm_flops"] + flops["attention_flops"]) / (gemm_gflops * 1e9)
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    return {
+        "prompt_tokens": tokens,
+        "ttft_s": ttft,
+        **flops,
+        "flops_bound_s": bound_s,
+        "gemm_only_bound_s": flops["gemm_flops"] / (gemm_gflops * 1e9),
+        "ttft_over_bound": ttft / bound_s,
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "decode_vs_start": statistics.median(r["decode_vs_start"] for r in runs),
+        "rounds": runs,
+    }

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cadenza.benchmarks.context_sweep import DEFAULT_CONTEXTS, context_sweep
+from cadenza.benchmarks.context_sweep import DEFAULT_CONTEXTS, DEFAULT_SWEEP_ROUNDS, context_sweep
 from cadenza.benchmarks.memory import MB, own_peak_rss_bytes, own_rss_bytes, reset_own_peak_rss
 from cadenza.benchmarks.report import report
 from cadenza.engine_args import engine_kwargs
@@ -47,6 +47,12 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
         type=_contexts,
         default=DEFAULT_CONTEXTS,
         help="context sweep: TTFT and decode tok/s at these context lengths (comma-separated; 'none' to skip)",
+    )
+    p.add_argument(
+        "--sweep-rounds",
+        type=_at_least_one,
+        default=DEFAULT_SWEEP_ROUNDS,
+        help="interleaved rounds of the context sweep (medians reported)",
     )
     p.add_argument("--output", default=None, help="also write the JSON here")
 
@@ -273,7 +279,9 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     result["cadenza"] |= single_stream_rounds(lambda: cadenza_single_stream(llm, single), weight_bytes, rounds)
     if args.contexts:
         cfg = llm.engine.model_config
-        result["context_sweep"] = context_sweep(llm, cfg, machine["fp32_gemm_gflops"], args.contexts, args.seed + 2)
+        result["context_sweep"] = context_sweep(
+            llm, cfg, machine["fp32_gemm_gflops"], args.contexts, args.seed + 2, args.sweep_rounds
+        )
     if args.baseline == "hf":
         del llm
         hf_model = load_hf(args.model)

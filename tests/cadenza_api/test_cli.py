@@ -51,6 +51,8 @@ def test_bench_offline_prints_json(tmp_path: Path) -> None:
         "hf",
         "--contexts",
         "0,64",
+        "--sweep-rounds",
+        "2",
         "--output",
         str(target),
     )
@@ -70,7 +72,9 @@ def test_bench_offline_prints_json(tmp_path: Path) -> None:
     for row in sweep.values():
         assert row["ttft_s"] > 0 and row["decode_tok_s"] > 0 and row["flops_bound_s"] > 0
         assert row["gemm_flops"] > 0 and row["attention_flops"] > 0 and row["ttft_over_bound"] > 0
+        assert len(row["rounds"]) == 2 and row["decode_tok_s"] > 0  # medians of 2 interleaved rounds
         assert result[side]["single_stream_fraction_of_bound"] in [r["fraction"] for r in rounds]
+    assert [r["decode_vs_start"] for r in sweep["0"]["rounds"]] == [1.0, 1.0]  # each round's own start
 
 
 def test_bench_offline_rejects_zero_rounds() -> None:
