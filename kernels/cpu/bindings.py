@@ -15,6 +15,7 @@ may be freed before C reads it).
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from enum import IntEnum
 
@@ -165,7 +166,6 @@ FUNCTIONS = (
 # The KV cache dtypes the C kernels read and write (kv_t in the header), with the suffix of
 # the libraries built for each (build.VARIANTS).
 KV_DTYPES = {torch.float32: "", torch.float16: "_f16"}
-_FOR_CACHE: dict[tuple[str, torch.dtype], CFunction] = {}
 
 
 def for_cache(function: CFunction, cache_dtype: torch.dtype) -> CFunction:
@@ -173,13 +173,14 @@ def for_cache(function: CFunction, cache_dtype: torch.dtype) -> CFunction:
     dtype the C kernels do not take."""
     if cache_dtype not in KV_DTYPES:
         raise ValueError(f"the CPU kernels take KV caches of {sorted(map(str, KV_DTYPES))}, not {cache_dtype}")
-    if not KV_DTYPES[cache_dtype]:
-        return function
-    key = (function.name, cache_dtype)
-    if key not in _FOR_CACHE:
-        library = function.library + KV_DTYPES[cache_dtype]
-        _FOR_CACHE[key] = CFunction(library, function.name, function.args, function.restype)
-    return _FOR_CACHE[key]
+    suffix = KV_DTYPES[cache_dtype]
+    return _in_library(function, function.library + suffix) if suffix else function
+
+
+@functools.cache
+def _in_library(function: CFunction, library: str) -> CFunction:
+    """`function` bound from another build (one object each, so it binds once)."""
+    return CFunction(library, function.name, function.args, function.restype)
 
 
 class DecodeWeight(IntEnum):

@@ -17,7 +17,7 @@ from cadenza.config import EngineConfig
 from cadenza.weight_format import WeightFormat
 from tests.actors.test_block_pool import TINY as POOL_MODEL
 from tests.conftest import TINY
-from tests.models.test_logits_vs_hf import hf_logprobs, our_prompt_logprobs
+from tests.models.test_logits_vs_hf import hf_logprobs, our_prompt_logprobs, worst_full_distribution_diff
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -28,14 +28,7 @@ def _cache_dtypes(llm: LLM) -> set[torch.dtype]:
 
 def _worst_prompt_logprob_diff(llm: LLM, hf: torch.nn.Module, ids: list[int]) -> float:
     vocab = TINY["vocab_size"]
-    ours, ref = our_prompt_logprobs(llm, ids, k=vocab), hf_logprobs(hf, ids)
-    worst = 0.0
-    for pos in range(1, len(ids)):
-        got = torch.full((vocab,), float("nan"))
-        for token, lp in ours[pos].items():
-            got[token] = lp.logprob
-        worst = max(worst, float((got - ref[pos - 1]).abs().max()))
-    return worst
+    return worst_full_distribution_diff(our_prompt_logprobs(llm, ids, k=vocab), hf_logprobs(hf, ids), vocab)
 
 
 def _hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
