@@ -9,7 +9,9 @@ message per token, with the StepTiming of each step that produced them. A client
 node reads them from the output socket as they are published (actors/output_stream.py);
 one elsewhere keeps a `get_outputs` call parked here. Either way a step's outputs leave
 while the next step computes. A failed step ends the in-flight requests with an error and
-rebuilds the workers.
+rebuilds the workers. With async scheduling, step N + 1 is planned and dispatched before step
+N's outputs are back (EngineCore.PIPELINE_DEPTH steps in flight), so the executor always has
+the next step queued while the engine applies and publishes the last.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import ray
 
@@ -44,6 +46,15 @@ log = logging.getLogger(__name__)
 # Timelines of steps that published no output yet (mid-prompt chunks) wait for the next batch;
 # past this many the oldest are dropped (a client that stopped reading must not grow them).
 MAX_PENDING_TIMINGS = 256
+
+
+class InFlight(NamedTuple):
+    """A dispatched step: its plan, the executor call, and when it was scheduled / dispatched."""
+
+    so: SchedulerOutput
+    call: asyncio.Task[ModelRunnerOutput]
+    scheduled: float
+    dispatched: float
 
 
 class EngineActor:
@@ -73,6 +84,7 @@ class EngineActor:
         self._restarts = 0
         self._steps = 0
         self._output_server: OutputServer | None = None
+        self._in_flight: deque[InFlight] = deque()
 
     async def start(self) -> int:
         """Place and load the workers, then start stepping. Returns max_model_len."""
@@ -172,27 +184,46 @@ class EngineActor:
 
     async def _loop(self) -> None:
         while True:
-            if not self.core.has_unfinished() and not self.core.scheduler.finished_ids:
+            idle = not self.core.has_unfinished() and not self.core.scheduler.finished_ids
+            if idle and not self._in_flight:
                 self._has_work.clear()
                 await self._has_work.wait()
                 continue
             await self._step()
 
     async def _step(self) -> None:
-        """One step. A failure fails the requests it concerns: the step's own when a live
+        """Dispatch steps up to the pipeline's depth (1 unless scheduling ahead), then finish
+        the oldest. A failure fails the requests it concerns: the step's own when a live
         worker raised or processing its output did; every request when scheduling itself broke
         (the scheduler's state is not to be trusted); never silently."""
+        from cadenza.actors.engine_core import PIPELINE_DEPTH
+
+        depth = PIPELINE_DEPTH if self.core.scheduler.schedule_ahead else 1
+        while len(self._in_flight) < depth and self._dispatch():
+            pass
+        if self._in_flight:
+            await self._finish_step(self._in_flight.popleft())
+
+    def _dispatch(self) -> bool:
+        """Schedule a step and start it on the executor; False when there is nothing to start."""
         core = self.core
         scheduled = time.monotonic()
         try:
             so = core.scheduler.schedule()
         except Exception as e:
             self._internal_error("scheduling", e, list(core.scheduler.requests))
-            return
+            return False
         self._publish(core.scheduler.take_failed())
-        dispatched = time.monotonic()
+        if self._in_flight and not (so.total_num_scheduled_tokens or so.finished_req_ids):
+            return False  # nothing new before the outputs in flight are known
+        call = asyncio.ensure_future(self.executor.execute(so))
+        self._in_flight.append(InFlight(so, call, scheduled, time.monotonic()))
+        return True
+
+    async def _finish_step(self, step: InFlight) -> None:
+        core, so, scheduled, dispatched = self.core, step.so, step.scheduled, step.dispatched
         try:
-            out = await self.executor.execute(so)
+            out = await step.call
         except StepError as e:
             log.error("a step failed in a worker (%s); failing its %d requests", e, len(so.num_scheduled_tokens))
             self._publish(core.fail_step(so, e))
@@ -243,6 +274,10 @@ class EngineActor:
 
     async def _recover(self, error: str) -> None:
         log.error("%s; failing running requests and rebuilding the workers", error)
+        in_flight, self._in_flight = list(self._in_flight), deque()
+        for step in in_flight:  # planned on the lost KV: their outputs mean nothing now
+            step.call.cancel()
+        await asyncio.gather(*(step.call for step in in_flight), return_exceptions=True)
         # The KV is gone with the workers: no prefix-cache entry or block table survives it.
         self._publish(self.core.reset_after_worker_loss(error))
         self._restarts += 1

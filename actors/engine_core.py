@@ -1,12 +1,18 @@
 """EngineCore: scheduler + block pool, and (in-process) the model runner, stepped by its owner.
 
 The engine actor uses the same core without a runner: it schedules here, executes on its
-worker actors, and feeds their output back through update()."""
+worker actors, and feeds their output back through update().
+
+With async scheduling (EngineConfig.async_scheduling) the in-process core keeps
+PIPELINE_DEPTH steps in flight on its step thread: step() plans and submits the next step,
+then waits for the oldest one and applies its outputs while the next computes."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
@@ -17,13 +23,25 @@ from cadenza.actors.request import Request
 from cadenza.actors.runner_setup import build_runner, kv_pool_blocks
 from cadenza.actors.scheduler import Scheduler
 from cadenza.config import EngineConfig
-from cadenza.messages import EngineOutput, EngineRequest, SchedulerOutput
+from cadenza.messages import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
 from cadenza.models.config import ModelConfig
-from cadenza.models.loader import LoadedModel, planned_weights_label
+from cadenza.models.loader import LoadedModel, load_model, planned_weights_label
 from cadenza.request_limits import check_request, max_tokens_to_fill
 from cadenza.stats import EngineStats
 
 log = logging.getLogger(__name__)
+
+# Steps in flight at once when scheduling ahead: one computing, the next queued behind it.
+# A deeper queue would only plan further on placeholders; the model is never kept waiting at 2.
+PIPELINE_DEPTH = 2
+
+
+def model_thread() -> ThreadPoolExecutor:
+    """A thread for all of a process's model work, its load and its steps. With libgomp each
+    thread that runs torch ops keeps an OpenMP team of its own, and once the teams' threads
+    outnumber the cores none of them spins between parallel regions: each region then pays a
+    futex wake (SmolLM2's CPU decode ran 1.7x slower with a second team alive)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-model")
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> int:
@@ -73,6 +91,7 @@ class EngineCore:
             max_model_len,
             config.speculative_config,
             config.request_timeout_s,
+            config.schedules_ahead,
         )
         self.limits = config.request_limits(model_config.vocab_size, max_model_len)
         self.runner = runner
@@ -83,6 +102,9 @@ class EngineCore:
         # Resident weight bytes for stats(), where the model is not this core's runner's (the
         # engine actor's workers hold it): whoever holds the model may report it here.
         self.weight_bytes = 0
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # Ahead, where the runner's steps run (LLM hands over the thread it loaded the model on).
+        self.step_thread: ThreadPoolExecutor | None = None
 
     @classmethod
     def in_process(cls, config: EngineConfig, loaded: LoadedModel) -> EngineCore:
@@ -92,6 +114,19 @@ class EngineCore:
         core = cls(config, loaded.config, loaded.max_model_len, eos)
         core.runner = build_runner(config, loaded, core.num_blocks, eos)
         return core
+
+    @classmethod
+    def load_on(cls, thread: ThreadPoolExecutor, config: EngineConfig) -> tuple[LoadedModel, EngineCore]:
+        """Load the model and build the core on `thread`, which then runs the steps' model
+        work when scheduling ahead (step_thread): one OpenMP team in the process."""
+
+        def build() -> tuple[LoadedModel, EngineCore]:
+            loaded = load_model(config.model, config.weight_format, config.device, config.max_model_len)
+            return loaded, cls.in_process(config, loaded)
+
+        loaded, core = thread.submit(build).result()
+        core.step_thread = thread
+        return loaded, core
 
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue; a request that can never run is refused here with the reason."""
@@ -133,10 +168,31 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         """One step in this process. An exception from the runner fails the step's requests
         alone: nothing else was touched, and the runner drops them with the next step."""
+        if self.scheduler.schedule_ahead:
+            return self._step_ahead()
         so = self.scheduler.schedule()
         failed = self.scheduler.take_failed()
         try:
             out = self.runner.execute(so)
+        except Exception as e:
+            log.exception("a step failed; failing its requests")
+            return failed + self.fail_step(so, e)
+        return failed + self.scheduler.update(so, out)
+
+    def _step_ahead(self) -> list[EngineOutput]:
+        """Fill the pipeline, then finish its oldest step: the next is computing meanwhile."""
+        failed = []
+        while len(self._in_flight) < PIPELINE_DEPTH:
+            so = self.scheduler.schedule()
+            failed += self.scheduler.take_failed()
+            if self._in_flight and not (so.total_num_scheduled_tokens or so.finished_req_ids):
+                break  # nothing new to compute before the outputs in flight are known
+            if self.step_thread is None:
+                self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-step-ahead")
+            self._in_flight.append((so, self.step_thread.submit(self.runner.execute, so)))
+        so, future = self._in_flight.popleft()
+        try:
+            out = future.result()
         except Exception as e:
             log.exception("a step failed; failing its requests")
             return failed + self.fail_step(so, e)

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-from cadenza.actors.engine_core import EngineCore
+from cadenza.actors.engine_core import EngineCore, model_thread
 from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.device import visible_gpus
 from cadenza.messages import EngineRequest
-from cadenza.models.loader import load_model
 from cadenza.stats import ServingStats
 
 log = logging.getLogger(__name__)
@@ -42,17 +41,18 @@ class InProcessClient(StreamingClient):
         if self.config.world_size != 1:
             raise ValueError("the in-process engine runs one worker; tensor / pipeline parallelism needs AsyncLLM")
         torch.manual_seed(seed)
-        loaded = load_model(model, self.config.weight_format, self.config.device, self.config.max_model_len)
+        # All model work on one thread, the load included (engine_core.model_thread says why).
+        loaded, self.core = EngineCore.load_on(model_thread(), self.config)
         self.tokenizer = loaded.tokenizer
-        self.core = EngineCore.in_process(self.config, loaded)
         self.max_model_len = self.core.max_model_len
         self.request_limits = self.core.limits
         # Made on first use on each event loop (asyncio primitives belong to one loop).
         self._sync: tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Event] | None = None
         self._steps = 0
-        # Every step on one thread: each new thread that enters an OpenMP region gets its own
-        # team of threads, and idle teams spin on the cores the working one needs.
-        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-step")
+        # One step at a time, off the loop: on the model thread itself, or, scheduling ahead,
+        # on a thread of its own that waits there for each step's model work.
+        ahead = self.config.schedules_ahead
+        self._step_thread = ThreadPoolExecutor(1, "cadenza-engine") if ahead else self.core.step_thread
 
     async def stats(self) -> ServingStats:
         self._check_alive()
@@ -74,6 +74,7 @@ class InProcessClient(StreamingClient):
         self._stop_pump()
         self._dead = "the engine was shut down"
         self._step_thread.shutdown(wait=False)
+        self.core.step_thread.shutdown(wait=False)
 
     async def _submit(self, requests: list[EngineRequest]) -> None:
         async with self._loop_lock():

@@ -68,7 +68,7 @@ class KVCacheManager:
         """Blocks for `num_new_tokens` more tokens (after any cached blocks); None when they do not fit.
         Returns the ids appended to the request's block table."""
         blocks = self.blocks.setdefault(req.request_id, [])
-        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        total = req.num_planned_tokens + len(cached) * self.block_size + num_new_tokens
         need = max(self.blocks_needed(total) - len(blocks) - len(cached), 0)
         reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # free-queue blocks the hits take
         if need > self.pool.num_free_blocks - reclaimed:

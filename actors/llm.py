@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cadenza.actors.engine_core import EngineCore
+from cadenza.actors.engine_core import EngineCore, model_thread
 from cadenza.actors.prompts import PendingRequest, fan_out, require_tokenizer, tokenize
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.device import visible_gpus
@@ -30,9 +30,12 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args).placed(visible_gpus())
         torch.manual_seed(seed)
-        loaded = load_model(model, self.config.weight_format, self.config.device, self.config.max_model_len)
+        if self.config.schedules_ahead:  # the steps' model work runs on a thread: load there too
+            loaded, self.engine = EngineCore.load_on(model_thread(), self.config)
+        else:
+            loaded = load_model(model, self.config.weight_format, self.config.device, self.config.max_model_len)
+            self.engine = EngineCore.in_process(self.config, loaded)
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.engine = EngineCore.in_process(self.config, loaded)
         self._next_id = 0
 
     def get_tokenizer(self) -> Tokenizer:

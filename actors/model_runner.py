@@ -15,6 +15,7 @@ import torch
 from cadenza.actors.cuda_graphs import DecodeGraphs, GraphSettings, capture_sizes
 from cadenza.actors.grammar_matchers import GrammarError, GrammarMatchers, GrammarQuery
 from cadenza.actors.rejection_sampler import SpecRow, verify
+from cadenza.actors.request import ends_on_token
 from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
 from cadenza.actors.spec_proposal import ProposalInput, Proposer
 from cadenza.actors.stage_link import StageLink
@@ -107,7 +108,12 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 class ModelRunner:
     """One worker's runner. With pipeline stages, a stage before the last returns HiddenStates
-    for the next; with tensor parallelism every rank computes and only the driver samples."""
+    for the next; with tensor parallelism every rank computes and only the driver samples.
+
+    samples_ahead (async scheduling, one runner that is the whole model): the scheduler plans
+    step N + 1 before it has step N's tokens, so the runner appends its own samples, and stops
+    computing a request its own token ended, or whose step failed, until the scheduler drops it.
+    """
 
     def __init__(
         self,
@@ -120,7 +126,10 @@ class ModelRunner:
         tokenizer: Tokenizer | None = None,
         graphs: GraphSettings | None = None,
         link: StageLink | None = None,
+        samples_ahead: bool = False,
     ) -> None:
+        if samples_ahead and not (is_driver and link is None and proposer is None):
+            raise ValueError("a runner samples ahead only as the whole model's one rank, without speculation")
         if link is None and not (model.is_first_stage and model.is_last_stage):
             raise ValueError("a pipeline stage needs a StageLink to its neighbours")
         self.model = model
@@ -134,6 +143,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model, num_blocks + (graphs is not None), block_size)
         self.graphs = self._capture(graphs, num_blocks) if graphs is not None else None
         self.requests: dict[str, RunnerRequest] = {}
+        self.samples_ahead = samples_ahead
+        self._stopped: set[str] = set()  # ahead: ended here, awaiting the scheduler's drop
         self.proposer = proposer  # speculative decoding, on the driver only
         # Structured outputs: the driver samples, so it alone follows the grammars.
         self.grammar = GrammarMatchers(tokenizer, eos_token_ids) if is_driver else None
@@ -146,22 +157,37 @@ class ModelRunner:
         if previous is not None:  # first, before anything can fail: the sender waits on it
             self._received = self.link.recv(previous, self.device)
         self._update_states(so)
-        if not so.total_num_scheduled_tokens:
+        scheduled = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in self._stopped}
+        if not scheduled:
             return ModelRunnerOutput.empty()
-        batch = self._prepare(so.num_scheduled_tokens)
+        batch = self._prepare(scheduled)
         self._masks = self._start_masks(batch)  # computed while the forward pass runs
         try:
             with torch.inference_mode():
                 result = self._forward(batch, previous)
+        except Exception:
+            self._stopped.update(scheduled if self.samples_ahead else ())  # steps ahead skip them
+            raise
         finally:
             self._grammar_masks()  # joined even on failure: the matchers are not thread-safe
         if self.proposer is not None and isinstance(result, ModelRunnerOutput):
             result.draft_token_ids = self.proposer.propose(self._proposal_inputs(batch, result, so.num_spec_tokens))
-        for rid, n in so.num_scheduled_tokens.items():
+        for rid, n in scheduled.items():
             self.requests[rid].num_computed_tokens += n
         if isinstance(result, ModelRunnerOutput):
             result.timing = [started, self._forwarded, time.monotonic()]
+            if self.samples_ahead:
+                self._append_own(result)
         return result
+
+    def _append_own(self, out: ModelRunnerOutput) -> None:
+        """Ahead, the next step is planned without these tokens: the runner keeps them itself."""
+        for rid, tokens in out.sampled.items():
+            req = self.requests[rid]
+            req.token_ids.extend(tokens)
+            if ends_on_token(tokens[-1], len(req.token_ids) - req.num_prompt_tokens, req.params, self.eos_token_ids):
+                self._stopped.add(rid)
+        self._stopped.update(out.failed)
 
     def _capture(self, settings: GraphSettings, num_blocks: int) -> DecodeGraphs:
         max_blocks = -(-settings.max_model_len // self.block_size)
@@ -260,17 +286,20 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self._stopped.discard(rid)
             self._drop(rid)
         for new in so.new_requests:
             self.requests[new.req_id] = RunnerRequest.from_new(new)
             if self.proposer is not None:
                 self.proposer.start(new.req_id, new.num_computed_tokens)
         for delta in so.cached_requests:
+            if delta.req_id in self._stopped:
+                continue
             state = self.requests[delta.req_id]
             state.block_ids.extend(delta.new_block_ids)
             state.token_ids.extend(delta.new_token_ids)
             state.num_computed_tokens = delta.num_computed_tokens
-        for rid in so.num_scheduled_tokens:
+        for rid in so.num_scheduled_tokens.keys() - self._stopped:
             self.requests[rid].spec_token_ids = so.scheduled_spec_tokens.get(rid, [])
 
     def _prepare(self, scheduled: dict[str, int]) -> Batch:

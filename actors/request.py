@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 
 from cadenza.messages import EngineRequest
 from cadenza.sampling_params import SamplingParams
@@ -32,7 +33,10 @@ class Request:
         self.session_id = req.session_id
         self.eos_token_ids = () if self.params.ignore_eos else eos_token_ids
         self.output_token_ids: list[int] = []
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # by steps whose outputs came back
+        # Steps scheduled ahead of their outputs (async scheduling), oldest first: (tokens
+        # computed, whether it samples). Empty when steps run one at a time.
+        self.in_flight: deque[tuple[int, bool]] = deque()
         self.num_sent_tokens = 0  # tokens the model runners hold for this request
         self.queue_time: float | None = None  # arrival to first admission, seconds
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
@@ -59,6 +63,16 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Tokens computed once the steps in flight are done."""
+        return self.num_computed_tokens + sum(n for n, _ in self.in_flight)
+
+    @property
+    def num_placeholders(self) -> int:
+        """Output tokens the steps in flight will sample, not yet known here."""
+        return sum(samples for _, samples in self.in_flight)
+
+    @property
     def max_tokens(self) -> int:
         return self.params.max_tokens or 1 << 62
 
@@ -75,11 +89,8 @@ class Request:
         """Decide, after a token was appended, whether the request is done; record why."""
         last = self.output_token_ids[-1]
         produced = len(self.output_token_ids)
-        if produced >= self.params.min_tokens:
-            if last in self.eos_token_ids:
-                return self._finish("stop", None)
-            if last in self.params.stop_token_ids:
-                return self._finish("stop", last)
+        if ends_on_token(last, produced, self.params, self.eos_token_ids):
+            return self._finish("stop", None if last in self.eos_token_ids else last)
         if produced >= self.max_tokens or self.num_tokens >= max_model_len:
             return self._finish("length", None)
         return False
@@ -87,3 +98,12 @@ class Request:
     def _finish(self, reason: str, stop_reason: int | str | None) -> bool:
         self.finish_reason, self.stop_reason = reason, stop_reason
         return True
+
+
+def ends_on_token(token: int, num_output: int, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether the request's num_output-th output token, `token`, ends it: an EOS (unless
+    ignore_eos) or one of its stop_token_ids, once min_tokens are out. The scheduler decides
+    with it, and a runner that samples ahead stops computing a request on the same rule."""
+    if num_output < params.min_tokens:
+        return False
+    return (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids

@@ -48,4 +48,7 @@ def build_runner(
     graphs = graph_settings(
         config.enforce_eager, device, single_stage, ops.backend(device), config.max_num_seqs, loaded.max_model_len
     )
-    return ModelRunner(model, num_blocks, config.block_size, eos, is_driver, proposer, loaded.tokenizer, graphs, link)
+    return ModelRunner(
+        model, num_blocks, config.block_size, eos, is_driver, proposer, loaded.tokenizer, graphs, link,
+        samples_ahead=config.schedules_ahead,
+    )  # fmt: skip

@@ -1,5 +1,10 @@
 """Continuous-batching scheduler: a token budget per step, running requests first, then
-waiting ones in (priority, arrival) order, prompts chunked to fit, preemption by recompute."""
+waiting ones in (priority, arrival) order, prompts chunked to fit, preemption by recompute.
+
+With schedule_ahead (async scheduling) the next step is planned before the last one's
+outputs are back: a request's steps in flight are counted as computed (Request.in_flight),
+each token they sample as a placeholder the runner fills in itself, and a request whose
+outputs in flight may already end it (max_tokens, the context) waits for them."""
 
 from __future__ import annotations
 
@@ -28,7 +33,11 @@ class Scheduler:
         max_model_len: int,
         spec: SpeculativeConfig | None = None,
         request_timeout_s: float | None = None,
+        schedule_ahead: bool = False,
     ) -> None:
+        if schedule_ahead and spec is not None:
+            raise ValueError("scheduling ahead cannot speculate: a step's drafts come from its outputs")
+        self.schedule_ahead = schedule_ahead
         self.kv = kv
         self.request_timeout_s = request_timeout_s
         self.spec = spec
@@ -85,6 +94,7 @@ class Scheduler:
         outputs = self.fail([r.request_id for r in self.running], error)
         for req in self.waiting:
             req.num_computed_tokens, req.spec_token_ids = 0, []
+            req.in_flight.clear()
         self.kv.reset()
         self.finished_ids.clear()  # the rebuilt workers hold no state to drop
         return outputs
@@ -104,6 +114,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._output_due(req):
+                i += 1
+                continue
             new_ids, victims = self._schedule_running(req, budget, so)
             preempted |= victims
             if new_ids is None:
@@ -112,7 +125,7 @@ class Scheduler:
                 CachedRequestData(
                     req_id=req.request_id,
                     new_block_ids=new_ids,
-                    num_computed_tokens=req.num_computed_tokens,
+                    num_computed_tokens=req.num_planned_tokens,
                     new_token_ids=req.output_token_ids[req.num_sent_tokens - req.num_prompt_tokens :],
                 )
             )
@@ -128,11 +141,30 @@ class Scheduler:
             self._plan_proposals(so)
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
         so.finished_req_ids, self.finished_ids = self.finished_ids, []
+        if self.schedule_ahead:
+            self._put_in_flight(so)
         return so
+
+    def _output_due(self, req: Request) -> bool:
+        """Ahead only: the outputs in flight may end the request (max_tokens, max_model_len),
+        so it waits for them rather than computing a token past its end."""
+        placeholders = req.num_placeholders
+        if not placeholders:
+            return False
+        return (
+            len(req.output_token_ids) + placeholders >= req.max_tokens
+            or req.num_tokens + placeholders >= self.max_model_len
+        )
+
+    def _put_in_flight(self, so: SchedulerOutput) -> None:
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            samples = req.num_planned_tokens + n == req.num_tokens + req.num_placeholders
+            req.in_flight.append((n, samples))
 
     def _schedule_running(self, req: Request, budget: int, so: SchedulerOutput) -> tuple[list[int] | None, bool]:
         """Schedule req's next tokens, with its drafts when they fit; (new block ids or None, preempted)."""
-        pending = req.num_tokens - req.num_computed_tokens
+        pending = req.num_tokens + req.num_placeholders - req.num_planned_tokens
         drafts = self._drafts_to_verify(req, budget - pending)
         n = min(pending + len(drafts), budget)
         new_ids = self.kv.allocate(req, n) if drafts else None
@@ -262,6 +294,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.in_flight.clear()  # those steps' outputs are dropped: the request is not running
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -279,6 +312,9 @@ class Scheduler:
                 continue  # aborted, failed or preempted meanwhile
             start = req.num_computed_tokens
             tokens = out.sampled.get(rid, [])
+            if self.schedule_ahead and not self._landed(req, n, bool(tokens)):
+                outputs += self.fail([rid], "internal engine error: a step scheduled ahead sampled no token")
+                continue
             drafts = so.scheduled_spec_tokens.get(rid, [])
             accepted = max(len(tokens) - 1, 0) if drafts else 0
             # Rejected drafts' KV is not final: those positions are computed again (overwritten).
@@ -286,6 +322,8 @@ class Scheduler:
             req.spec_token_ids = out.draft_token_ids.get(rid, [])
             self.kv.publish(req)
             output = self._apply(req, tokens)
+            if self.schedule_ahead:  # the runner appended its own samples already
+                req.num_sent_tokens += len(output.new_token_ids)
             if drafts:
                 self._record_spec(req, output, len(drafts), accepted)
             output.new_logprobs = out.logprobs.get(rid, [])[: len(output.new_token_ids)]
@@ -293,6 +331,13 @@ class Scheduler:
             if output.new_token_ids or output.new_prompt_logprobs or output.finish_reason:
                 outputs.append(output)
         return outputs
+
+    @staticmethod
+    def _landed(req: Request, n: int, sampled: bool) -> bool:
+        """The oldest step in flight for req came back; False if it disagrees with the plan
+        (a sample was due and none came), which would leave a placeholder never filled."""
+        planned, samples = req.in_flight.popleft() if req.in_flight else (None, False)
+        return planned == n and sampled >= samples
 
     @staticmethod
     def _new_prompt_logprobs(req: Request, start: int, logprobs: list) -> list:

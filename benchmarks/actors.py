@@ -5,8 +5,9 @@ Each batch runs B greedy requests with short prompts in lockstep, so the time be
 request's tokens is the engine's decode step. Timestamps are taken where the caller sees the
 tokens, so the actor figures include everything the runtime adds. Each executor (`local`:
 the model in the engine actor's process; `ray`: worker actors called per step;
-`compiled_graph`: worker actors over a Ray Compiled Graph) is measured against the
-in-process `LLM` in the same run, alternating, medians of `repeats`.
+`compiled_graph`: worker actors over a Ray Compiled Graph; `local_ahead`, `ray_ahead`: with
+async scheduling) is measured against the in-process `LLM` in the same run, alternating,
+medians of `repeats`.
 
 The timeline (cadenza.actors.timeline) splits each step into stages stamped in the engine,
 the driver and AsyncLLM; with `--websocket` one more stream goes through the gateway app
@@ -32,6 +33,12 @@ from cadenza.sampling_params import SamplingParams
 
 EXECUTORS = {"local": dict(executor="local"), "ray": dict(executor="ray", use_compiled_graph=False)}
 EXECUTORS["compiled_graph"] = dict(executor="ray", use_compiled_graph=True)
+# Async scheduling (one step ahead): the same executors, the next step planned before the
+# last one's outputs are back. Against the same in-process LLM, which steps one at a time: an
+# LLM scheduling ahead here would put a second OpenMP team in this process and slow both
+# (engine_core.model_thread); `cadenza bench offline --async-scheduling` times it alone.
+EXECUTORS["local_ahead"] = dict(executor="local", async_scheduling=True)
+EXECUTORS["ray_ahead"] = dict(executor="ray", use_compiled_graph=False, async_scheduling=True)
 
 
 def add_actor_args(p: argparse.ArgumentParser) -> None:

@@ -134,6 +134,13 @@ class EngineConfig:
 
     speculative_config: a SpeculativeConfig or its dict; None turns speculation off.
 
+    async_scheduling: schedule step N + 1 before step N's outputs come back, so the scheduler,
+    the output path and the engine's bookkeeping run while the model computes (the runner
+    appends its own samples; actors/scheduler.py). Needs TP = PP = 1 and no speculation
+    (drafts come from the outputs). None (default): on for CUDA, off on the CPU, where the
+    engine's work and the model's share the same cores (docs/bench/async_scheduling.json);
+    True where it cannot apply is an error.
+
     scheduling_policy: "priority" (default) admits (and preempts) by (priority, arrival),
     lower first, as vLLM does; with every request at priority 0 that is arrival order, so an
     interactive request (0) goes before batch work a client marks with a higher number;
@@ -173,6 +180,7 @@ class EngineConfig:
     max_engine_restarts: int = 3
     use_compiled_graph: bool | None = None
     speculative_config: SpeculativeConfig | None = None
+    async_scheduling: bool | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
@@ -205,6 +213,10 @@ class EngineConfig:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         if self.executor == "local" and self.world_size > 1:
             raise ValueError("executor='local' runs one worker: tensor_parallel_size = pipeline_parallel_size = 1")
+        if self.async_scheduling and (self.world_size > 1 or self.speculative_config is not None):
+            raise ValueError(
+                "async_scheduling needs tensor_parallel_size = pipeline_parallel_size = 1 and no speculative_config"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         limits = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids")
@@ -214,6 +226,14 @@ class EngineConfig:
             raise ValueError("session_pin_ttl_s must be >= 0 and max_pinned_fraction in [0, 1)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """Whether async_scheduling is on (None resolved: on CUDA where it can apply)."""
+        if self.async_scheduling is None:
+            applies = self.world_size == 1 and self.speculative_config is None
+            return applies and self.device.startswith("cuda")
+        return self.async_scheduling
 
     @property
     def compiled_graph(self) -> bool:

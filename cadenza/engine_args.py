@@ -48,6 +48,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization", type=float, default=0.9, help="CUDA: the device's share for weights, steps and KV"
     )
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs for decode steps")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step before this one's outputs return (default: on CUDA only)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -81,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

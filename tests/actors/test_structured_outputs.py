@@ -174,3 +174,14 @@ def test_draft_masks_stop_at_the_first_refused_draft(matchers: GrammarMatchers) 
     assert not refused[0][5] and len(refused) == 3  # draft 5 is refused, so rejected there
     again = matchers.masks([GrammarQuery("d", params, [])])["d"][0]  # drafts were rolled back
     assert torch.equal(again, masks[0])
+
+
+def test_json_valid_scheduling_ahead(random_model: Path) -> None:
+    """Async scheduling: the runner's matchers advance on its own samples, so the masks of the
+    step planned before those tokens reached the scheduler are still right."""
+    params = SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputs(json=PERSON))
+    ahead = LLM(str(random_model), num_blocks=256, async_scheduling=True)
+    replies = [o.outputs[0].text for o in ahead.generate(PROMPTS[:6], params)]
+    _assert_valid(replies, PERSON)
+    plain = LLM(str(random_model), num_blocks=256)
+    assert replies == [o.outputs[0].text for o in plain.generate(PROMPTS[:6], params)]
