@@ -10,7 +10,7 @@ node reads them from the output socket as they are published (actors/output_stre
 one elsewhere keeps a `get_outputs` call parked here. Either way a step's outputs leave
 while the next step computes. A failed step ends the in-flight requests with an error and
 rebuilds the workers. With async scheduling, step N + 1 is planned and dispatched before step
-N's outputs are back (EngineCore.PIPELINE_DEPTH steps in flight), so the executor always has
+N's outputs are back (engine_core.PIPELINE_DEPTH steps in flight), so the executor always has
 the next step queued while the engine applies and publishes the last.
 """
 
@@ -196,10 +196,7 @@ class EngineActor:
         the oldest. A failure fails the requests it concerns: the step's own when a live
         worker raised or processing its output did; every request when scheduling itself broke
         (the scheduler's state is not to be trusted); never silently."""
-        from cadenza.actors.engine_core import PIPELINE_DEPTH
-
-        depth = PIPELINE_DEPTH if self.core.scheduler.schedule_ahead else 1
-        while len(self._in_flight) < depth and self._dispatch():
+        while len(self._in_flight) < self.core.pipeline_depth and self._dispatch():
             pass
         if self._in_flight:
             await self._finish_step(self._in_flight.popleft())
@@ -214,8 +211,8 @@ class EngineActor:
             self._internal_error("scheduling", e, list(core.scheduler.requests))
             return False
         self._publish(core.scheduler.take_failed())
-        if self._in_flight and not (so.total_num_scheduled_tokens or so.finished_req_ids):
-            return False  # nothing new before the outputs in flight are known
+        if not core.worth_dispatching(so, len(self._in_flight)):
+            return False
         call = asyncio.ensure_future(self.executor.execute(so))
         self._in_flight.append(InFlight(so, call, scheduled, time.monotonic()))
         return True

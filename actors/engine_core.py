@@ -106,6 +106,17 @@ class EngineCore:
         # Ahead, where the runner's steps run (LLM hands over the thread it loaded the model on).
         self.step_thread: ThreadPoolExecutor | None = None
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps kept in flight: PIPELINE_DEPTH when scheduling ahead, else one at a time."""
+        return PIPELINE_DEPTH if self.scheduler.schedule_ahead else 1
+
+    @staticmethod
+    def worth_dispatching(so: SchedulerOutput, steps_in_flight: int) -> bool:
+        """Whether a step just scheduled should start: always into an empty pipeline; behind
+        steps in flight only if it computes something or drops finished requests."""
+        return not steps_in_flight or bool(so.total_num_scheduled_tokens or so.finished_req_ids)
+
     @classmethod
     def in_process(cls, config: EngineConfig, loaded: LoadedModel) -> EngineCore:
         eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else loaded.config.eos_token_ids
@@ -185,10 +196,10 @@ class EngineCore:
         while len(self._in_flight) < PIPELINE_DEPTH:
             so = self.scheduler.schedule()
             failed += self.scheduler.take_failed()
-            if self._in_flight and not (so.total_num_scheduled_tokens or so.finished_req_ids):
-                break  # nothing new to compute before the outputs in flight are known
+            if not self.worth_dispatching(so, len(self._in_flight)):
+                break
             if self.step_thread is None:
-                self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cadenza-step-ahead")
+                self.step_thread = model_thread()
             self._in_flight.append((so, self.step_thread.submit(self.runner.execute, so)))
         so, future = self._in_flight.popleft()
         try:

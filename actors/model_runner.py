@@ -157,7 +157,9 @@ class ModelRunner:
         if previous is not None:  # first, before anything can fail: the sender waits on it
             self._received = self.link.recv(previous, self.device)
         self._update_states(so)
-        scheduled = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in self._stopped}
+        scheduled = so.num_scheduled_tokens
+        if self._stopped:  # only ever when sampling ahead
+            scheduled = {rid: n for rid, n in scheduled.items() if rid not in self._stopped}
         if not scheduled:
             return ModelRunnerOutput.empty()
         batch = self._prepare(scheduled)
