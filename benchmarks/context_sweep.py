@@ -1,7 +1,8 @@
 """The context sweep of `cadenza bench offline`: TTFT and decode speed with 0, 2k and 6k
 tokens of context, each beside its bound at the machine's rates measured in the same run.
 
-TTFT's bound is the prompt's FLOPs at the measured fp32 GEMM rate: the projections' 2 * params
+TTFT's bound is the prompt's FLOPs at the measured rate of the GEMMs the engine runs (bf16's
+where cpu_gemm_dtype makes them bf16; each row also gives the ratio at the fp32 rate): the projections' 2 * params
 per token (the LM head once, for the token sampled) plus causal attention's 4 * D per
 (query, key) pair and head (QK^T and PV). Decode keeps the rate at the start as its baseline:
 a step reads the weights and the context's KV once, so the rate falls with context only as
@@ -57,7 +58,13 @@ def _one(llm: Any, prompt: list[int]) -> tuple[float, float]:
 
 
 def context_sweep(
-    llm: Any, cfg: ModelConfig, gemm_gflops: float, contexts: tuple[int, ...], seed: int, rounds: int = 1
+    llm: Any,
+    cfg: ModelConfig,
+    gemm_gflops: float,
+    contexts: tuple[int, ...],
+    seed: int,
+    rounds: int = 1,
+    fp32_gemm_gflops: float | None = None,
 ) -> dict:
     """TTFT and decode tok/s per context length, with the ratios the issue's targets read:
     medians over `rounds` interleaved rounds, each round's values in `rounds`."""
@@ -70,10 +77,13 @@ def context_sweep(
             runs[n].append({"ttft_s": ttft, "decode_tok_s": decode})
         for n in contexts:  # this round's ratio to this round's start
             runs[n][-1]["decode_vs_start"] = runs[n][-1]["decode_tok_s"] / runs[contexts[0]][-1]["decode_tok_s"]
-    return {str(n): _row(cfg, max(n, 16), runs[n], gemm_gflops) for n in contexts}
+    fp32 = fp32_gemm_gflops or gemm_gflops
+    return {str(n): _row(cfg, max(n, 16), runs[n], gemm_gflops, fp32) for n in contexts}
 
 
-def _row(cfg: ModelConfig, tokens: int, runs: list[dict[str, float]], gemm_gflops: float) -> dict[str, Any]:
+def _row(
+    cfg: ModelConfig, tokens: int, runs: list[dict[str, float]], gemm_gflops: float, fp32_gflops: float
+) -> dict[str, Any]:
     flops = prefill_flops(cfg, tokens)
     bound_s = (flops["gemm_flops"] + flops["attention_flops"]) / (gemm_gflops * 1e9)
     ttft = statistics.median(r["ttft_s"] for r in runs)
@@ -84,6 +94,8 @@ def _row(cfg: ModelConfig, tokens: int, runs: list[dict[str, float]], gemm_gflop
         "flops_bound_s": bound_s,
         "gemm_only_bound_s": flops["gemm_flops"] / (gemm_gflops * 1e9),
         "ttft_over_bound": ttft / bound_s,
+        "ttft_over_gemm_only": ttft / (flops["gemm_flops"] / (gemm_gflops * 1e9)),
+        "ttft_over_fp32_bound": ttft * fp32_gflops * 1e9 / (flops["gemm_flops"] + flops["attention_flops"]),
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         "decode_vs_start": statistics.median(r["decode_vs_start"] for r in runs),
         "rounds": runs,

@@ -86,10 +86,11 @@ def make_workload(n: int, inputs: tuple[int, int], outputs: tuple[int, int], voc
     return [([rng.randrange(100, vocab) for _ in range(rng.randint(*inputs))], rng.randint(*outputs)) for _ in range(n)]
 
 
-def measure_gemm_gflops(n: int = 1024, reps: int = 10) -> float:
+def measure_gemm_gflops(n: int = 1024, reps: int = 10, dtype: Any = None) -> float:
+    """torch.mm's rate on n x n matrices, in fp32 unless dtype says otherwise."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype or torch.float32), torch.randn(n, n, dtype=dtype or torch.float32)
     c = torch.mm(a, b)
     start = time.perf_counter()
     for _ in range(reps):
@@ -259,6 +260,11 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(args.model, **engine_kwargs(args))
     loaded_rss = own_rss_bytes()
     model = llm.engine.runner.model
+    # The prompt's GEMMs run in this dtype (cpu_gemm_dtype): its rate is the bound's.
+    gemm_dtype = llm.engine.config.weight_format.gemm_dtype
+    machine["bf16_gemm_gflops"] = measure_gemm_gflops(dtype=torch.bfloat16)
+    machine["gemm_dtype"] = str(gemm_dtype).removeprefix("torch.")
+    gemm_rate = machine["bf16_gemm_gflops"] if gemm_dtype == torch.bfloat16 else machine["fp32_gemm_gflops"]
     weight_bytes = model.weight_bytes()
     machine |= {"weight_bytes": weight_bytes, "decode_bound_tok_s": machine["mem_read_gbps"] * 1e9 / weight_bytes}
     vocab = llm.engine.model_config.vocab_size
@@ -280,7 +286,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.contexts:
         cfg = llm.engine.model_config
         result["context_sweep"] = context_sweep(
-            llm, cfg, machine["fp32_gemm_gflops"], args.contexts, args.seed + 2, args.sweep_rounds
+            llm, cfg, gemm_rate, args.contexts, args.seed + 2, args.sweep_rounds, machine["fp32_gemm_gflops"]
         )
     if args.baseline == "hf":
         del llm

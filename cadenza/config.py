@@ -103,6 +103,14 @@ class EngineConfig:
     bytes, for an fp16 rounding of K and V ("bfloat16" there runs the torch reference). On
     CUDA the Triton kernels take the activations' dtype only.
 
+    cpu_gemm_dtype: the CPU's many-row GEMMs (prefill chunks, batches past 16 rows) over
+    weights in a stored format (GGUF, int8 / int4, bf16 / fp16). "auto" (default): bfloat16
+    where dtype resolved to bf16 on a CPU with native bf16 dot products (~2.8x fp32's GEMM
+    rate there; x and the weight tiles rounded to bf16, results back in fp32), else float32;
+    "float32" keeps them exact; "bfloat16" forces bf16 (slow where the CPU emulates it).
+    Decode's few-row kernels stay fp32 either way, so a prompt's KV and a decode's differ by
+    bf16 rounding, and greedy tokens may change with batch size and prefix-cache hits.
+
     block_size: tokens per KV block. num_blocks: the KV pool's size in blocks, when given.
     Else the pool holds what max_num_seqs requests of max_model_len tokens can use at once
     (each rounded up to whole blocks), capped by kv_cache_memory, the bytes of the whole
@@ -160,6 +168,7 @@ class EngineConfig:
     int8_activations: bool = False
     device: str = "auto"
     kv_cache_dtype: str = "auto"
+    cpu_gemm_dtype: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
@@ -191,7 +200,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        check_format(self.dtype, self.quantization, self.quantization_group_size)
+        check_format(self.dtype, self.quantization, self.quantization_group_size, self.cpu_gemm_dtype)
         check_device_name(self.device)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
@@ -288,4 +297,5 @@ class EngineConfig:
             self.device,
             self.int8_activations,
             self.kv_cache_dtype,
+            self.cpu_gemm_dtype,
         )

@@ -9,6 +9,7 @@ import json
 from cadenza.config import DEFAULT_MODEL
 from cadenza.device import DEVICES
 from cadenza.format_names import (
+    CPU_GEMM_DTYPES,
     DEFAULT_INT4_GROUP_SIZE,
     DTYPE_CHOICES,
     INT4_GROUP_SIZES,
@@ -42,6 +43,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=KV_CACHE_DTYPES,
         help="auto: the activations' dtype; float16 halves the KV bytes a long-context decode reads",
+    )
+    p.add_argument(
+        "--cpu-gemm-dtype",
+        default="auto",
+        choices=CPU_GEMM_DTYPES,
+        help="CPU prefill / large-batch GEMMs over stored weights; auto: bf16 where native and dtype is bf16",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -84,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         int8_activations=args.int8_activations,
         device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
+        cpu_gemm_dtype=args.cpu_gemm_dtype,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,

@@ -19,6 +19,9 @@ INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 32
 # The kind (kernels/quant/weight.py) dense weights are stored as, per dtype.
 DENSE_KIND = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# The CPU's many-row GEMMs (prefill chunks, batches past the few-row kernels) over weights in a
+# stored format: "auto" is bf16 where dtype resolves to bf16 on a CPU that multiplies it natively.
+CPU_GEMM_DTYPES = ("auto", "float32", "bfloat16")
 # CPU flags (/proc/cpuinfo) that mean native bf16 dot products.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 CPUINFO = Path("/proc/cpuinfo")
@@ -57,7 +60,19 @@ def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) 
     return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
 
 
-def check_format(dtype: str, quantization: str | None, group_size: int) -> None:
+def resolve_cpu_gemm_dtype(cpu_gemm_dtype: str, resolved_dtype: str) -> str:
+    """cpu_gemm_dtype "auto": bfloat16 when the weights' dtype resolved to bf16 and "auto" means
+    bf16 on this CPU (native bf16 dot products, or $CADENZA_CPU_AUTO_DTYPE says so), else
+    float32: an explicit dtype="float32" keeps every GEMM exact fp32."""
+    if cpu_gemm_dtype != "auto":
+        return cpu_gemm_dtype
+    native = resolve_dtype("auto", "cpu") == "bfloat16"
+    return "bfloat16" if native and resolved_dtype == "bfloat16" else "float32"
+
+
+def check_format(dtype: str, quantization: str | None, group_size: int, cpu_gemm_dtype: str = "auto") -> None:
+    if cpu_gemm_dtype not in CPU_GEMM_DTYPES:
+        raise ValueError(f"cpu_gemm_dtype must be one of {list(CPU_GEMM_DTYPES)}, got {cpu_gemm_dtype!r}")
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:

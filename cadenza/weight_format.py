@@ -3,7 +3,10 @@ device at hand (dtype="auto" picks bf16 only where the hardware multiplies it na
 
 On the CPU the activations, KV cache and norms stay fp32 whatever the weights' format: the
 C kernels read each format and compute in fp32, as llama.cpp does, so `dtype` there is how
-dense weights are stored. On CUDA `dtype` is also the activations' and KV cache's dtype.
+dense weights are stored. The one exception is gemm_dtype: the many-row GEMMs of prefill
+and large batches (tiles of a stored weight times x) run in bf16 where the CPU multiplies
+bf16 natively and dtype resolved to bf16 (~2.8x fp32's rate on AVX512-BF16), their results
+back in fp32. On CUDA `dtype` is also the activations' and KV cache's dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from cadenza.format_names import (  # noqa: F401 - every format user reads these from here
     BF16_CPU_FLAGS,
     CPU_AUTO_DTYPE_ENV,
+    CPU_GEMM_DTYPES,
     CPUINFO,
     DEFAULT_INT4_GROUP_SIZE,
     DENSE_KIND,
@@ -24,6 +28,7 @@ from cadenza.format_names import (  # noqa: F401 - every format user reads these
     QUANTIZATIONS,
     check_format,
     cpu_flags,
+    resolve_cpu_gemm_dtype,
     resolve_dtype,
 )
 
@@ -37,7 +42,7 @@ class WeightFormat:
     dtype: "float32" / "bfloat16" / "float16" (never "auto" here). quantization: None,
     "int8" or "int4" (on load). keep_gguf: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K /
     F16 / BF16 tensors stay as stored. compute_dtype: activations. kv_dtype: the KV cache's
-    elements (None: compute_dtype).
+    elements (None: compute_dtype). gemm_dtype: the CPU's many-row GEMMs over stored weights.
     """
 
     dtype: str = "float32"
@@ -48,6 +53,7 @@ class WeightFormat:
     gguf_only: bool = False  # quantization="gguf": an error for a file that is not GGUF
     int8_activations: bool = False  # CPU q4 / q8 kernels read x rounded to int8 (llama.cpp's way)
     kv_dtype: torch.dtype | None = None
+    gemm_dtype: torch.dtype = torch.float32
 
     @classmethod
     def resolve(
@@ -58,8 +64,9 @@ class WeightFormat:
         device: str,
         int8_activations: bool = False,
         kv_cache_dtype: str = "auto",
+        cpu_gemm_dtype: str = "auto",
     ) -> WeightFormat:
-        check_format(dtype, quantization, group_size)
+        check_format(dtype, quantization, group_size, cpu_gemm_dtype)
         resolved = resolve_dtype(dtype, device)
         on_load = quantization if quantization in ("int8", "int4") else None
         compute = DTYPES[resolved] if device.startswith("cuda") else torch.float32
@@ -67,7 +74,10 @@ class WeightFormat:
         kv = compute if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
         if device.startswith("cuda") and kv != compute:
             raise ValueError(f"on CUDA the KV cache is in the activations' dtype ({compute}), not {kv_cache_dtype}")
-        return cls(resolved, on_load, group_size, keep, compute, quantization == "gguf", int8_activations, kv)
+        on_cpu = not device.startswith("cuda")
+        gemm = DTYPES[resolve_cpu_gemm_dtype(cpu_gemm_dtype, resolved)] if on_cpu else compute
+        gguf_only = quantization == "gguf"
+        return cls(resolved, on_load, group_size, keep, compute, gguf_only, int8_activations, kv, gemm)
 
     def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model whose activations are `activations`."""

@@ -211,7 +211,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 pack_linear(module, fmt, is_head=module is self.lm_head)
-                module.method = choose_linear_method(module.packed or module.weight_t, fmt.int8_activations)
+                module.method = choose_linear_method(
+                    module.packed or module.weight_t, fmt.int8_activations, fmt.gemm_dtype
+                )
         self._prepare_embedding()
         if self.tp.size == 1:  # the C stack has no all-reduce: tensor-parallel layers run op by op
             cfg = self.cfg

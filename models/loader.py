@@ -53,7 +53,10 @@ def load_model(
     length = max_model_len(cfg, max_len)
     model = build_model(cfg, tensors, fmt, device, length, part)
     model.weights_label = weights_label(model, fmt)
-    log.info("%s: weights as %s, computing in %s", name, model.weights_label, fmt.compute_dtype)
+    log.info(
+        "%s: weights as %s, computing in %s (many-row GEMMs in %s)",
+        name, model.weights_label, fmt.compute_dtype, fmt.gemm_dtype,
+    )  # fmt: skip
     return LoadedModel(cfg, model, tokenizer, length)
 
 

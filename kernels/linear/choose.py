@@ -14,7 +14,11 @@ from cadenza.kernels.linear.stacked import StackedLinear
 from cadenza.kernels.quant.weight import TRITON_KINDS, PackedWeight
 
 
-def choose_linear_method(weight: nn.Parameter | list[PackedWeight], int8_activations: bool = False) -> LinearMethod:
+def choose_linear_method(
+    weight: nn.Parameter | list[PackedWeight],
+    int8_activations: bool = False,
+    gemm_dtype: torch.dtype = torch.float32,
+) -> LinearMethod:
     """The method for one projection, picked once at load time (after sharding, so it sees
     this rank's slice); it may take a dense weight_t over.
 
@@ -23,9 +27,10 @@ def choose_linear_method(weight: nn.Parameter | list[PackedWeight], int8_activat
     placeholders (a pipeline stage's unused lm_head), stays dense through torch.
     Packed weights (one part, or several stacked by rows when a fused projection's parts are
     stored in different formats): the C packed kernels on the CPU, Triton on CUDA;
-    int8_activations: the CPU's q4 / q8 kernels read x rounded to int8 (see packed.py)."""
+    int8_activations: the CPU's q4 / q8 kernels read x rounded to int8; gemm_dtype: the CPU's
+    many-row GEMMs over packed weights (see packed.py). Dense fp32 weights stay fp32."""
     if isinstance(weight, list):
-        methods = [_packed_method(part, int8_activations) for part in weight]
+        methods = [_packed_method(part, int8_activations, gemm_dtype) for part in weight]
         return methods[0] if len(methods) == 1 else StackedLinear(methods)
     on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
     if not on_cpu_fp32 or weight.numel() <= 1:
@@ -33,9 +38,9 @@ def choose_linear_method(weight: nn.Parameter | list[PackedWeight], int8_activat
     return CpuFp32Linear(weight, few_rows_kernel=gemv_available())
 
 
-def _packed_method(weight: PackedWeight, int8_activations: bool) -> LinearMethod:
+def _packed_method(weight: PackedWeight, int8_activations: bool, gemm_dtype: torch.dtype) -> LinearMethod:
     if weight.device.type == "cuda" and weight.kind in TRITON_KINDS:
         from cadenza.kernels.linear.triton_packed import TritonPackedLinear  # Triton only where CUDA is
 
         return TritonPackedLinear(weight)
-    return PackedLinear(weight, int8_activations)
+    return PackedLinear(weight, int8_activations, gemm_dtype)

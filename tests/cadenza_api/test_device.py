@@ -13,7 +13,7 @@ import torch
 from cadenza.config import EngineConfig
 from cadenza.device import resolve_device, visible_gpus
 from cadenza.kernels import backend as kernels_backend
-from cadenza.weight_format import resolve_dtype
+from cadenza.weight_format import WeightFormat, resolve_dtype
 
 
 def test_auto_takes_a_gpu_when_there_is_one_else_the_cpu() -> None:
@@ -74,3 +74,23 @@ def test_cpu_auto_dtype_follows_the_cpu_unless_the_environment_says(monkeypatch:
     monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "fp8")
     with pytest.raises(ValueError, match="CADENZA_CPU_AUTO_DTYPE='fp8'"):
         resolve_dtype("auto", "cpu")
+
+
+def test_cpu_gemms_are_bf16_only_where_auto_means_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_gemm_dtype "auto" follows what dtype "auto" means on this CPU and the dtype asked
+    for: an explicit float32 keeps every GEMM fp32; CUDA's are the activations' dtype."""
+    monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "bfloat16")  # as on an AVX512-BF16 / AMX CPU
+    gemm = lambda dtype, device="cpu", asked="auto": (
+        WeightFormat.resolve(  # noqa: E731
+            dtype, None, 32, device, cpu_gemm_dtype=asked
+        ).gemm_dtype
+    )
+    assert gemm("auto") == torch.bfloat16 and gemm("bfloat16") == torch.bfloat16
+    assert gemm("float32") == torch.float32 and gemm("float16") == torch.float32
+    assert gemm("auto", asked="float32") == torch.float32
+    monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "float32")  # a CPU without native bf16
+    assert gemm("auto") == torch.float32 and gemm("bfloat16") == torch.float32
+    assert gemm("float32", asked="bfloat16") == torch.bfloat16  # asked for: slow, but honoured
+    assert gemm("float16", device="cuda") == torch.float16
+    with pytest.raises(ValueError, match="cpu_gemm_dtype must be one of"):
+        EngineConfig(model="m", cpu_gemm_dtype="int8")

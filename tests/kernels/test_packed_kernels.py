@@ -17,6 +17,7 @@ from cadenza.kernels.cpu.packed import (
     packed_linear,
     round_activations,
 )
+from cadenza.kernels.linear import packed as packed_linear_module
 from cadenza.kernels.linear.packed import PACKED_FEW_ROWS, PackedLinear
 from cadenza.kernels.quant.dequantize import dequantize, round_activations_ref
 from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
@@ -120,6 +121,27 @@ def test_the_torch_backend_runs_the_reference(monkeypatch: pytest.MonkeyPatch, r
     expected = (round_activations_ref(x) if round_x else x) @ dequantize(w).T
     torch.testing.assert_close(method.apply(x, None), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(method.gather_rows(torch.tensor([3, 1])), dequantize(w)[[3, 1]])
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "int8", "bf16", "f32"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bf16_gemms_round_x_and_the_tiles_to_bf16(monkeypatch: pytest.MonkeyPatch, name: str, backend: str) -> None:
+    """gemm_dtype bf16: past the few-row kernel, y = bf16(x) @ bf16(W).T, back in fp32; at or
+    under it the fp32 kernel, untouched. A tile larger than TILE_ELEMENTS splits W's rows."""
+    if backend == "cpu" and not packed_available():
+        pytest.skip("no C compiler: the packed kernels cannot be built")
+    monkeypatch.setenv("CADENZA_KERNELS", backend)
+    monkeypatch.setattr(packed_linear_module, "TILE_ELEMENTS", 16 * 576)  # 40 rows: three tiles
+    w = _formats(40, 576)[name]
+    method, dense, bias = PackedLinear(w, gemm_dtype=torch.bfloat16), dequantize(w), torch.randn(w.rows)
+    x = torch.randn(PACKED_FEW_ROWS + 5, w.cols, generator=torch.Generator().manual_seed(7))
+    got = method.apply(x, bias)
+    expected = (x.bfloat16() @ dense.bfloat16().T).float() + bias
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    assert (got - (x @ dense.T + bias)).abs().max() > 0  # bf16, not the fp32 path
+    few = x[:PACKED_FEW_ROWS]
+    torch.testing.assert_close(method.apply(few, None), few @ dense.T, rtol=1e-4, atol=1e-4)
 
 
 def test_quantizers_round_trip_within_half_a_step() -> None:

@@ -30,6 +30,8 @@ FORMATS = {
     "gguf-q4_1": (dict(quantization="gguf"), 0.06),
     # The CPU's q4 kernels with x rounded to int8 per block of 32 (int8_activations).
     "gguf-q4_1-a8": (dict(quantization="gguf", int8_activations=True), 0.06),
+    # The default on CPUs with native bf16: prefill and batch GEMMs in bf16 (cpu_gemm_dtype).
+    "gguf-q4_1-bf16gemm": (dict(quantization="gguf", cpu_gemm_dtype="bfloat16"), 0.06),
 }
 # Bytes per weight each format should hold (model.weight_bytes() / weights), within 10%:
 # int4's LM head and embedding are int8 by design (models/packing.py), so its ideal mixes
@@ -43,7 +45,7 @@ IDEAL_BYTES = {
     "int4": PROJECTION_SHARE * 0.625 + (1 - PROJECTION_SHARE) * 1.0,
     "gguf-q4_1": PROJECTION_SHARE * 0.625 + (1 - PROJECTION_SHARE) * 1.0625,
 }
-IDEAL_BYTES["gguf-q4_1-a8"] = IDEAL_BYTES["gguf-q4_1"]
+IDEAL_BYTES["gguf-q4_1-a8"] = IDEAL_BYTES["gguf-q4_1-bf16gemm"] = IDEAL_BYTES["gguf-q4_1"]
 
 
 def _tokens(llm: LLM) -> tuple[list[int], list[list[int]]]:
