@@ -86,11 +86,11 @@ def make_workload(n: int, inputs: tuple[int, int], outputs: tuple[int, int], voc
     return [([rng.randrange(100, vocab) for _ in range(rng.randint(*inputs))], rng.randint(*outputs)) for _ in range(n)]
 
 
-def measure_gemm_gflops(n: int = 1024, reps: int = 10, dtype: Any = None) -> float:
+def measure_gemm_gflops(n: int = 1024, reps: int = 10, dtype: torch.dtype | None = None) -> float:
     """torch.mm's rate on n x n matrices, in fp32 unless dtype says otherwise."""
     import torch
 
-    a, b = torch.randn(n, n, dtype=dtype or torch.float32), torch.randn(n, n, dtype=dtype or torch.float32)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)  # None: the default, fp32
     c = torch.mm(a, b)
     start = time.perf_counter()
     for _ in range(reps):

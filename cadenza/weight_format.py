@@ -69,13 +69,13 @@ class WeightFormat:
         check_format(dtype, quantization, group_size, cpu_gemm_dtype)
         resolved = resolve_dtype(dtype, device)
         on_load = quantization if quantization in ("int8", "int4") else None
-        compute = DTYPES[resolved] if device.startswith("cuda") else torch.float32
+        on_cuda = device.startswith("cuda")
+        compute = DTYPES[resolved] if on_cuda else torch.float32
         keep = quantization in (None, "gguf")
         kv = compute if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
-        if device.startswith("cuda") and kv != compute:
+        if on_cuda and kv != compute:
             raise ValueError(f"on CUDA the KV cache is in the activations' dtype ({compute}), not {kv_cache_dtype}")
-        on_cpu = not device.startswith("cuda")
-        gemm = DTYPES[resolve_cpu_gemm_dtype(cpu_gemm_dtype, resolved)] if on_cpu else compute
+        gemm = compute if on_cuda else DTYPES[resolve_cpu_gemm_dtype(cpu_gemm_dtype, resolved)]
         gguf_only = quantization == "gguf"
         return cls(resolved, on_load, group_size, keep, compute, gguf_only, int8_activations, kv, gemm)
 

@@ -9,8 +9,8 @@
 Without the C build (or under CADENZA_KERNELS=torch) the torch reference decodes the tiles.
 gemm_dtype bf16 (WeightFormat.gemm_dtype: where the CPU multiplies bf16 natively) runs those
 many-row GEMMs on x and the tiles rounded to bf16, fp32 back: oneDNN's bf16 GEMM ran at
-~2.8x its fp32 rate on an AVX512-BF16 Zen, and a 512-token prefill took 0.79 s against
-1.23 s. A bf16 weight's tiles are its own storage, no decoding at all.
+~2.8x its fp32 rate on an AVX512-BF16 Zen, and a 512-token prefill took 0.68-0.73 s
+against 1.21-1.28 s (docs/bench/cpu_gemm.json). A bf16 weight's tiles are its own storage.
 With int8_activations the q4 / q8 formats read x rounded to int8 per block of 32 in every
 path (see csrc/packed_linear.c); without it (the default) every path is exact fp32.
 """
@@ -65,13 +65,19 @@ class PackedLinear(LinearMethod):
         w = self.weight
         if self.round_x and not x.is_cuda:  # as the few-row kernel reads x, whatever the batch
             x = round_activations(x) if bound is not None else round_activations_ref(x)
-        # Few rows stay fp32 on the reference too, so both backends round the same rows.
-        dtype = x.dtype if x.is_cuda else self.gemm_dtype if x.shape[0] > PACKED_FEW_ROWS else torch.float32
+        dtype = self._gemm_dtype(x)
         xg = x.to(dtype)
         step = max(TILE_ELEMENTS // w.cols, 1)
         outs = [xg @ self._tile(bound, start, min(start + step, w.rows), dtype).T for start in range(0, w.rows, step)]
         y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
         return y if bias is None else y.add_(bias)
+
+    def _gemm_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """x's own on CUDA; on the CPU gemm_dtype past the few-row kernel, fp32 at or under it
+        (the torch reference too, so both backends round the same rows)."""
+        if x.is_cuda:
+            return x.dtype
+        return self.gemm_dtype if x.shape[0] > PACKED_FEW_ROWS else torch.float32
 
     def _tile(self, bound: BoundWeight | None, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [start, end) of W in dtype: stored dense in it already, else decoded."""
