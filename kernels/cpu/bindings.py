@@ -141,6 +141,12 @@ PACKED_DEQUANTIZE = CFunction(
     (("w", POINTER), ("start", I64), ("end", I64), ("out", POINTER), ("num_threads", I32)),
     None,
 )
+PACKED_DEQUANTIZE_BF16 = CFunction(
+    "packed_linear",
+    "packed_dequantize_bf16",
+    (("w", POINTER), ("start", I64), ("end", I64), ("out", POINTER), ("num_threads", I32)),
+    None,
+)
 PACKED_GATHER_ROWS = CFunction(
     "packed_linear",
     "packed_gather_rows",
@@ -161,7 +167,8 @@ DECODE_LAYERS = CFunction(
 )  # fmt: skip
 FUNCTIONS = (
     PAGED_DECODE_ATTENTION, PAGED_PREFILL_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR,
-    ROUND_ACTIVATIONS, PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH, DECODE_LAYERS,
+    ROUND_ACTIVATIONS, PACKED_DEQUANTIZE, PACKED_DEQUANTIZE_BF16, PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH,
+    DECODE_LAYERS,
 )  # fmt: skip
 # The KV cache dtypes the C kernels read and write (kv_t in the header), with the suffix of
 # the libraries built for each (build.VARIANTS).

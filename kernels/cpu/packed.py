@@ -7,7 +7,13 @@ import ctypes
 
 import torch
 
-from cadenza.kernels.cpu.bindings import PACKED_DEQUANTIZE, PACKED_GATHER_ROWS, PACKED_LINEAR, ROUND_ACTIVATIONS
+from cadenza.kernels.cpu.bindings import (
+    PACKED_DEQUANTIZE,
+    PACKED_DEQUANTIZE_BF16,
+    PACKED_GATHER_ROWS,
+    PACKED_LINEAR,
+    ROUND_ACTIVATIONS,
+)
 from cadenza.kernels.quant.weight import KIND_CODES, PackedWeight
 
 
@@ -65,11 +71,14 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def packed_dequantize(bound: BoundWeight, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [start, end) as fp32 [end - start, cols] (into `out` when given, contiguous)."""
-    if out is None:
-        out = torch.empty(end - start, bound.weight.cols, dtype=torch.float32)
-    PACKED_DEQUANTIZE(w=bound.address, start=start, end=end, out=out, num_threads=torch.get_num_threads())
+DEQUANTIZE_TO = {torch.float32: PACKED_DEQUANTIZE, torch.bfloat16: PACKED_DEQUANTIZE_BF16}
+
+
+def packed_dequantize(bound: BoundWeight, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows [start, end) as [end - start, cols] in dtype (one of DEQUANTIZE_TO): bf16 is the
+    fp32 decode rounded as torch's .to(torch.bfloat16) rounds it, written once."""
+    out = torch.empty(end - start, bound.weight.cols, dtype=dtype)
+    DEQUANTIZE_TO[dtype](w=bound.address, start=start, end=end, out=out, num_threads=torch.get_num_threads())
     return out
 
 

@@ -64,6 +64,9 @@ void packed_linear(const struct packed_weight *w, const float *x, const float *b
 void round_activations(const float *x, int64_t rows, int64_t cols, float *out);
 /* Rows [start, end) of W as fp32 into out [end - start, cols]. */
 void packed_dequantize(const struct packed_weight *w, int64_t start, int64_t end, float *out, int num_threads);
+/* The same rows as bf16 (fp32 rounded to nearest even, as torch rounds) into out [end - start, cols]. */
+void packed_dequantize_bf16(const struct packed_weight *w, int64_t start, int64_t end, uint16_t *out,
+                            int num_threads);
 /* Rows ids[0..n_ids) of W as fp32 into out [n_ids, cols] (embedding lookups). */
 void packed_gather_rows(const struct packed_weight *w, const int64_t *ids, int64_t n_ids, float *out,
                         int num_threads);

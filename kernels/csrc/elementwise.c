@@ -5,6 +5,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cadenza_kernels.h"
 
@@ -46,12 +47,36 @@ void rotary(const float *x, int64_t stride_t, int64_t stride_h, const float *cos
     }
 }
 
+/* e^x for the loops below: libm's expf is a call per value that the compiler cannot vectorise
+ * (SiLU ran at ~3.5 ns an element, 5x slower than torch's). Here e^x = 2^n e^r with
+ * n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (relative error
+ * under 1e-8, below fp32's), 2^n built in the exponent bits; plain arithmetic, so a loop of
+ * it vectorises for the host. x is clamped where e^x leaves fp32's normal range. */
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504f + 0.5f); /* one vroundps; the 1.5 * 2^23 trick folds away under -fassociative-math */
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln 2 in two parts: exact n * hi */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* x [rows, 2 * inter] = [gate | up] -> out [rows, inter] = silu(gate) * up. */
 void silu_and_mul(const float *x, float *out, int64_t rows, int64_t inter, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; ++r) {
         const float *gate = x + r * 2 * inter, *up = gate + inter;
         float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.0f + exp_vec(-gate[i])) * up[i];
     }
 }

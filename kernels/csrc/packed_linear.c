@@ -8,14 +8,15 @@
  * reuse the decoded row, so k + 1 verification rows cost little more than one. The decoders
  * are plain loops over a row the compiler vectorises for the host (-march=native).
  *
- * packed_dequantize expands a run of rows to fp32 for the many-row GEMM of prefill, which
- * then runs at the BLAS's rate on a cache-sized tile; packed_gather_rows serves embedding
+ * packed_dequantize expands a run of rows to fp32 (packed_dequantize_bf16: to bf16, decoded
+ * a row at a time in L1, so the tile is written once, at half the bytes) for the many-row
+ * GEMM of prefill, which then runs at the BLAS's rate on a cache-sized tile; packed_gather_rows serves embedding
  * lookups from the same storage.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,7 +44,32 @@ static inline float bf16_to_f32(uint16_t b) {
     return f;
 }
 
-/* 4-bit codes: each 32-element sub-block is 16 bytes, element j low nibble of byte j, j + 16 high. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define VECTOR_DECODE 1
+/* A block's 32 codes widened to fp32 in 4 registers of 8, in element order. */
+static inline void q4_floats(const uint8_t *qb, __m256 q[4]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qb), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void q8_floats(const int8_t *qb, __m256 q[4]) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)qb), b = _mm_loadu_si128((const __m128i *)(qb + 16));
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+#else
+#define VECTOR_DECODE 0
+#endif
+
+/* 4-bit codes: each 32-element sub-block is 16 bytes, element j low nibble of byte j, j + 16 high.
+ * The AVX2 form decoded 5x faster than the plain loop, which GCC does not vectorise. */
 static void decode_q4(const struct packed_weight *w, int64_t row, float *out) {
     const int64_t cols = w->cols, groups = cols / w->group;
     const uint8_t *q = (const uint8_t *)w->data + row * (cols / 2);
@@ -54,10 +80,17 @@ static void decode_q4(const struct packed_weight *w, int64_t row, float *out) {
         const float s = fp16_to_f32(scales[g]), m = mins ? fp16_to_f32(mins[g]) : -8.0f * s;
         const uint8_t *qb = q + b * 16;
         float *o = out + b * 32;
+#if VECTOR_DECODE
+        __m256 v[4];
+        q4_floats(qb, v);
+        for (int i = 0; i < 4; ++i)
+            _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(v[i], _mm256_set1_ps(s), _mm256_set1_ps(m)));
+#else
         for (int j = 0; j < 16; ++j) {
             o[j] = (float)(qb[j] & 15) * s + m;
             o[j + 16] = (float)(qb[j] >> 4) * s + m;
         }
+#endif
     }
 }
 
@@ -67,7 +100,15 @@ static void decode_q8(const struct packed_weight *w, int64_t row, float *out) {
     const float *scales = (const float *)w->scales + row * (cols / group);
     for (int64_t g = 0; g < cols / group; ++g) {
         const float s = scales[g];
-        for (int64_t j = g * group; j < (g + 1) * group; ++j) out[j] = (float)q[j] * s;
+        int64_t j = g * group;
+#if VECTOR_DECODE
+        for (; j + 32 <= (g + 1) * group; j += 32) {
+            __m256 v[4];
+            q8_floats(q + j, v);
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j + 8 * i, _mm256_mul_ps(v[i], _mm256_set1_ps(s)));
+        }
+#endif
+        for (; j < (g + 1) * group; ++j) out[j] = (float)q[j] * s;
     }
 }
 
@@ -331,23 +372,6 @@ static void integer_linear(const struct packed_weight *w, const float *x, const 
  * scaled, then one FMA per 8 weights and row into independent chains (4 for one row, 2 per
  * row for more; one chain measured latency-bound), q4's min term as min . (x's block sums).
  * Measured ~2x decoding the row first, and ~0.45x the integer path's rate. */
-static inline void q4_floats(const uint8_t *qb, __m256 q[4]) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)qb), mask = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-static inline void q8_floats(const int8_t *qb, __m256 q[4]) {
-    const __m128i a = _mm_loadu_si128((const __m128i *)qb), b = _mm_loadu_si128((const __m128i *)(qb + 16));
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-}
-
 /* x's sum over each block of 32, per row, for q4's min term: xsum [m, blocks]. */
 static void block_sums(const float *x, int64_t m_dim, int64_t cols, float *xsum) {
     for (int64_t i = 0; i < m_dim * cols / 32; ++i) {
@@ -517,6 +541,36 @@ void packed_dequantize(const struct packed_weight *w, int64_t start, int64_t end
         float *o = out + (n - start) * cols;
         const float *row = decode_row(w, n, o);
         if (row != o) memcpy(o, row, sizeof(float) * cols);
+    }
+}
+
+/* fp32 -> bf16 rounded to nearest, ties to even, as torch's .to(torch.bfloat16) (weights hold no NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void row_to_bf16(const float *row, uint16_t *out, int64_t cols) {
+    int64_t j = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    for (; j + 16 <= cols; j += 16) /* vcvtneps2bf16 rounds to nearest even too */
+        _mm256_storeu_si256((__m256i *)(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + j)));
+#endif
+    for (; j < cols; ++j) out[j] = f32_to_bf16(row[j]);
+}
+
+void packed_dequantize_bf16(const struct packed_weight *w, int64_t start, int64_t end, uint16_t *out,
+                            int num_threads) {
+    const int64_t cols = w->cols;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float buf[cols]; /* the row in fp32, L1-resident: only the bf16 tile goes to memory */
+#pragma omp for schedule(static)
+        for (int64_t n = start; n < end; ++n) {
+            const float *row = decode_row(w, n, buf);
+            row_to_bf16(row, out + (n - start) * cols, cols);
+        }
     }
 }
 

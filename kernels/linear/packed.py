@@ -21,6 +21,7 @@ import torch
 
 from cadenza.kernels.backend import backend
 from cadenza.kernels.cpu.packed import (
+    DEQUANTIZE_TO,
     BoundWeight,
     packed_available,
     packed_dequantize,
@@ -84,6 +85,8 @@ class PackedLinear(LinearMethod):
         w = self.weight
         if DENSE_KINDS.get(w.kind) == dtype:
             return w.data[start:end]
+        if bound is not None and dtype in DEQUANTIZE_TO:  # decoded straight to dtype, written once
+            return packed_dequantize(bound, start, end, dtype)
         tile = packed_dequantize(bound, start, end) if bound is not None else dequantize(w, start, end)
         return tile.to(dtype)
 
