@@ -63,6 +63,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
+        self.bf16_products = False  # prefill attention as the GEMMs: set by prepare_kernels from gemm_dtype
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
@@ -74,7 +75,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary(q, k, cos_sin)
         ops.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        out = ops.paged_attention(q, kv[0], kv[1], meta, self.scale)
+        out = ops.paged_attention(q, kv[0], kv[1], meta, self.scale, self.bf16_products)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -214,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
                 module.method = choose_linear_method(
                     module.packed or module.weight_t, fmt.int8_activations, fmt.gemm_dtype
                 )
+            elif isinstance(module, Attention):
+                module.bf16_products = fmt.gemm_dtype == torch.bfloat16
         self._prepare_embedding()
         if self.tp.size == 1:  # the C stack has no all-reduce: tensor-parallel layers run op by op
             cfg = self.cfg

@@ -63,9 +63,11 @@ def paged_prefill_attention_cpu(
     requests: list[int],
     scale: float,
     out: torch.Tensor,
+    bf16: bool = False,
 ) -> None:
     """Same contract as reference.paged_prefill_attention_ref: the listed requests' query
-    tokens (rows of q [T, H, D]) into the same rows of out."""
+    tokens (rows of q [T, H, D]) into the same rows of out. bf16: QK^T and PV on inputs
+    rounded to bf16, fp32 sums, where the CPU has AVX512-BF16 (csrc/prefill_bf16.h)."""
     _check_native(q, k_cache, v_cache)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     qsl = meta.query_start_loc
@@ -79,7 +81,7 @@ def paged_prefill_attention_cpu(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, table_stride=tables.shape[1],
         query_start=starts, query_lens=query_lens, seq_lens=seq_lens, out=target, num_reqs=len(requests),
         num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2], block_size=k_cache.shape[1],
-        scale=scale, num_threads=torch.get_num_threads(),
+        scale=scale, bf16=int(bf16), num_threads=torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")

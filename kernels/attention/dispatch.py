@@ -8,6 +8,8 @@ throughout.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from cadenza.kernels.attention.cpu import paged_decode_attention_cpu, paged_prefill_attention_cpu, reads_cache
@@ -18,13 +20,19 @@ from cadenza.kernels.backend import backend, runs_native
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    bf16_products: bool = False,
 ) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D] for every token of the batch (contract: paged_attention_ref)."""
+    """q [T, H, D] -> [T, H, D] for every token of the batch (contract: paged_attention_ref).
+    bf16_products: the C kernel's long extends and prefills multiply bf16-rounded inputs
+    (the engine's cpu_gemm_dtype bf16); decode rows and the other backends are unaffected."""
     if backend(q.device) == "triton":
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     if runs_native(q) and reads_cache(k_cache):
-        return paged_attention_ref(
-            q, k_cache, v_cache, meta, scale, decode=paged_decode_attention_cpu, long=paged_prefill_attention_cpu
-        )
+        long = partial(paged_prefill_attention_cpu, bf16=True) if bf16_products else paged_prefill_attention_cpu
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, decode=paged_decode_attention_cpu, long=long)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

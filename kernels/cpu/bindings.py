@@ -83,7 +83,7 @@ PAGED_PREFILL_ATTENTION = CFunction(
         ("q", POINTER), ("k_cache", POINTER), ("v_cache", POINTER), ("block_tables", POINTER),
         ("table_stride", I64), ("query_start", POINTER), ("query_lens", POINTER), ("seq_lens", POINTER),
         ("out", POINTER), ("num_reqs", I32), ("num_heads", I32), ("num_kv_heads", I32), ("head_dim", I32),
-        ("block_size", I32), ("scale", F32), ("num_threads", I32),
+        ("block_size", I32), ("scale", F32), ("bf16", I32), ("num_threads", I32),
     ),
     ctypes.c_int,
 )  # fmt: skip

@@ -31,12 +31,14 @@ int paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_ca
 /* prefill_attention.c (built into the decode_attention library): the query tokens of
  * num_reqs requests, request r's query_lens[r] tokens starting at row query_start[r] of q and
  * out [tokens, H, D], causal over its seq_lens[r] keys, tiled flash-style over the paged cache.
- * Only those rows of out are written. Returns 0, or -1 when a scratch allocation failed. */
+ * Only those rows of out are written. bf16: QK^T and PV on bf16-rounded inputs with fp32 sums
+ * where the CPU has AVX512-BF16 and head_dim % 16 == 0 (prefill_bf16.h); elsewhere ignored.
+ * Returns 0, or -1 when a scratch allocation failed. */
 int paged_prefill_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *query_start,
                             const int64_t *query_lens, const int64_t *seq_lens, float *out, int num_reqs,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                            int num_threads);
+                            int bf16, int num_threads);
 
 /* elementwise.c: the per-token ops between the GEMMs. */
 void add_rms_norm(const float *x, const float *res, const float *w, float *out, float *res_out,

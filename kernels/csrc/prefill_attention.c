@@ -304,6 +304,7 @@ struct prefill_shape {
     int num_heads, group, head_dim, block_size;
     int tile_tokens, lanes; /* query tokens per tile; lanes = tile_tokens * group rounded to 16 */
     float scale;            /* scale * log2(e): scores in the log2 domain */
+    int bf16;               /* the products in bf16 (prefill_bf16.h) */
 };
 
 /* One thread's buffers, reused by every item it runs. */
@@ -343,6 +344,8 @@ static void prefill_scratch_free(struct prefill_scratch *w) {
     if (w) free(w->qt);
     free(w);
 }
+
+#include "prefill_bf16.h"
 
 /* Q^T of tokens [t0, t0 + nq) of request r, KV head kh, pre-scaled; padded lanes are zero and
  * sit at the last token's position (finite scores, discarded). Resets the running state. */
@@ -479,26 +482,41 @@ static void store_outputs(const struct prefill_shape *s, const struct prefill_sc
     }
 }
 
-/* One work item: query tile `tile` of request r against KV head kh, every key it may see. */
-static void prefill_item(const struct prefill_shape *s, struct prefill_scratch *w, int r, int kh, int tile) {
+/* One work item: query tile `tile` of request r against KV head kh, every key it may see.
+ * b: the bf16 buffers where the products run in bf16, else NULL. */
+static void prefill_item(const struct prefill_shape *s, struct prefill_scratch *w, void *b, int r, int kh, int tile) {
     const int t0 = tile * s->tile_tokens;
     const int nq = (int)(s->query_lens[r] - t0 < s->tile_tokens ? s->query_lens[r] - t0 : s->tile_tokens);
     const int64_t first = s->seq_lens[r] - s->query_lens[r] + t0, end = first + nq; /* keys [0, end) */
     const int64_t *table = s->block_tables + r * s->table_stride;
     pack_queries(s, r, kh, t0, nq, w);
+#if PREFILL_BF16
+    const int key_block = b ? BF_KEYS : PF_KEYS;
+    if (b) pair_queries(s, w->qt, b);
+#else
+    const int key_block = PF_KEYS;
+#endif
     vf8 touched = vf8_zero();
     for (int64_t key0 = 0; key0 < end; key0 += PF_KEY_TILE) {
         const int n = (int)(end - key0 < PF_KEY_TILE ? end - key0 : PF_KEY_TILE);
-        const int padded = (n + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
+        const int padded = (n + key_block - 1) / key_block * key_block;
         int64_t rows[PF_KEY_TILE];
         kv_rows(table, s->block_size, key0, n, s->token_stride, (int64_t)kh * s->head_dim, rows);
         /* K/V come from L3 or memory once per query tile (one core, 6144-token prompt: 47 -> 54 GFLOP/s) */
         touched += tile_rows(s->k_cache, s->v_cache, rows, n, s->head_dim, w->kv, &w->k, &w->v, w->rows);
         for (int j = n; j < padded; ++j) w->rows[j] = w->rows[n - 1];
-        tile_scores(s, w, padded);
+#if PREFILL_BF16
+        if (b) tile_scores_bf16(s, w, b, n, padded);
+        else
+#endif
+            tile_scores(s, w, padded);
         if (key0 + n - 1 > first) mask_future(s, w, key0, n);
         tile_softmax(s, w, n);
-        tile_values(s, w, n);
+#if PREFILL_BF16
+        if (b) tile_values_bf16(s, w, b, n);
+        else
+#endif
+            tile_values(s, w, n);
     }
     store_outputs(s, w, r, kh, t0, nq);
     volatile float keep = vf8_hsum(touched); /* a volatile store: the touching loads must happen */
@@ -521,12 +539,13 @@ int paged_prefill_attention(const float *q, const kv_t *k_cache, const kv_t *v_c
                             const int64_t *block_tables, int64_t table_stride, const int64_t *query_start,
                             const int64_t *query_lens, const int64_t *seq_lens, float *out, int num_reqs,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                            int num_threads) {
+                            int bf16, int num_threads) {
     const int group = num_heads / num_kv_heads, tile_tokens = prefill_tile_tokens(group);
+    bf16 = PREFILL_BF16 && bf16 && head_dim % 16 == 0; /* else fp32: the pairs fill whole 16-wide rows */
     const struct prefill_shape shape = {
         q, k_cache, v_cache, out, block_tables, query_start, query_lens, seq_lens, table_stride,
         (int64_t)num_kv_heads * head_dim, num_heads, group, head_dim, block_size, tile_tokens,
-        (tile_tokens * group + PF_LANES - 1) / PF_LANES * PF_LANES, scale * LOG2_E,
+        (tile_tokens * group + PF_LANES - 1) / PF_LANES * PF_LANES, scale * LOG2_E, bf16,
     };
     int64_t *first = malloc(sizeof(int64_t) * (num_reqs + 1));
     if (!first) return -1;
@@ -537,18 +556,27 @@ int paged_prefill_attention(const float *q, const kv_t *k_cache, const kv_t *v_c
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         struct prefill_scratch *w = prefill_scratch_new(head_dim, shape.lanes);
+        void *b = 0;
+#if PREFILL_BF16
+        struct bf16_scratch bf = {0};
+        if (bf16 && bf16_scratch_new(&bf, head_dim, shape.lanes) == 0) b = &bf;
+        if (bf16 && !b) failed = 1;
+#endif
         if (!w) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
-            if (!w) continue;
+            if (!w || (bf16 && !b)) continue;
             /* KV head by KV head: threads running side by side read the same K/V tiles, which
              * the shared cache then serves once. A request's last tiles see the most keys:
              * they go first, and the short ones fill in. */
             const int64_t index = item % first[num_reqs];
             const int r = request_of(first, num_reqs, index);
-            prefill_item(&shape, w, r, (int)(item / first[num_reqs]), (int)(first[r + 1] - 1 - index));
+            prefill_item(&shape, w, b, r, (int)(item / first[num_reqs]), (int)(first[r + 1] - 1 - index));
         }
         prefill_scratch_free(w);
+#if PREFILL_BF16
+        free(bf.qp);
+#endif
     }
     free(first);
     return failed ? -1 : 0;

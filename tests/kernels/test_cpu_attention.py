@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cadenza.format_names import BF16_CPU_FLAGS, cpu_flags
 from cadenza.kernels.attention import cpu as attention_cpu
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.attention.reference import (
@@ -136,6 +137,41 @@ def test_a_long_prompt_in_chunks_matches_the_reference(threads: int, cache_dtype
             torch.testing.assert_close(got, expected, **TOL)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim"), [((9, 3), 64), ((4, 4), 128), ((16, 2), 64), ((4, 2), 40)])
+def test_bf16_products_err_as_bf16_inputs_do(heads: tuple[int, int], head_dim: int, cache_dtype: torch.dtype) -> None:
+    """bf16=True (csrc/prefill_bf16.h), an extend of 100 after 233 cached and a fresh prefill
+    of 129 (odd key counts, tiles ending mid-pair): where the CPU has AVX512-BF16 and D % 16
+    == 0 its error against the fp32 reference is the error of the reference itself run on
+    bf16-rounded q, K and V (mean and max within 1.5x and 2x), and not zero: the bf16 path ran.
+    Elsewhere the flag is ignored: exactly the fp32 kernel."""
+    torch.manual_seed(head_dim + heads[0])
+    q, k_cache, v_cache, meta = _paged_batch([333, 129], [100, 129], heads, head_dim, 16, torch.float32)
+    k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
+    scale, requests = head_dim**-0.5, [0, 1]
+
+    def run(bf16: bool) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        attention_cpu.paged_prefill_attention_cpu(q, k_cache, v_cache, meta, requests, scale, out, bf16)
+        return out
+
+    exact = torch.zeros_like(q)
+    paged_prefill_attention_ref(q, k_cache.float(), v_cache.float(), meta, requests, scale, exact)
+    got = run(True)
+    if not (BF16_CPU_FLAGS[0] in cpu_flags() and head_dim % 16 == 0):
+        assert torch.equal(got, run(False))
+        return
+    rounded = torch.zeros_like(q)
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.bfloat16().float()
+
+    paged_prefill_attention_ref(bf16(q), bf16(k_cache.float()), bf16(v_cache.float()), meta, requests, scale, rounded)
+    ours, inputs = (got - exact).abs(), (rounded - exact).abs()
+    assert 0 < ours.mean() <= 1.5 * inputs.mean()
+    assert ours.max() <= 2 * inputs.max()
 
 
 def test_the_prefill_kernel_writes_only_its_requests_rows() -> None:

@@ -40,6 +40,21 @@ def test_each_format_packs_every_weight_and_tracks_fp32(tiny_model, fmt: dict) -
     assert kl < {"bf16": 1e-3, "f16": 1e-5, "int8": 1e-2, "int4": 0.1}[model.weights_label.split("-")[0]]
 
 
+def test_bf16_gemms_take_prefill_attention_along_and_track_fp32(tiny_model) -> None:
+    """cpu_gemm_dtype bfloat16 also makes prefill attention's products bf16 (where the C
+    kernel can: csrc/prefill_bf16.h); float32 keeps both fp32. A 48-token prompt is one long
+    prefill: its logprobs stay within bf16's distance of fp32's."""
+    path, _ = tiny_model("llama_gqa_tied")
+    ids = torch.randint(3, 160, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm = LLM(str(path), num_blocks=32, max_logprobs=-1, quantization="int4", cpu_gemm_dtype="bfloat16")
+    exact = LLM(str(path), num_blocks=32, max_logprobs=-1, quantization="int4", cpu_gemm_dtype="float32")
+    assert all(layer.self_attn.bf16_products for layer in llm.engine.runner.model.layers)
+    assert not any(layer.self_attn.bf16_products for layer in exact.engine.runner.model.layers)
+    ref, ours = _logprobs(exact, ids), _logprobs(llm, ids)
+    kl = (ref.exp() * (ref - ours)).sum(-1).mean().item()  # KL(same weights in fp32 || bf16 products)
+    assert kl < 1e-3
+
+
 @pytest.mark.skipif(not packed_available(), reason="no C compiler: no decode stack")
 @pytest.mark.parametrize("fmt", FORMATS[2:], ids=["int8", "int4"])
 def test_the_decode_stack_runs_packed_layers_as_the_layers_do(tiny_model, fmt: dict) -> None:
