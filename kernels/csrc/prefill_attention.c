@@ -404,7 +404,10 @@ static void mask_future(const struct prefill_shape *s, struct prefill_scratch *w
 
 /* The online softmax step, per lane: the running max takes the tile's, alpha = 2^(old - new)
  * is what the sums so far must be scaled by, and S^T becomes P^T = 2^(s - new). A lane whose
- * keys are all masked here keeps its max: every lane saw key 0 in the first tile. */
+ * keys are all masked here keeps its max: every lane saw key 0 in the first tile.
+ * With AVX-512 the same arithmetic, lane for lane, runs 16 lanes at a time (at 8 this loop
+ * was a third of the bf16 kernel's time). */
+#if !defined(__AVX512F__)
 static void tile_softmax(const struct prefill_shape *s, struct prefill_scratch *w, int n) {
     for (int i = 0; i < s->lanes; i += 8) {
         const vf8 old = vf8_load(w->m + i);
@@ -422,6 +425,39 @@ static void tile_softmax(const struct prefill_shape *s, struct prefill_scratch *
         vf8_store(w->m + i, peak);
     }
 }
+#else
+/* vf8_exp2 at 16 lanes: the same steps, so the same results. */
+static inline __m512 v16_exp2(__m512 x) {
+    const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(clamped, n);
+    static const float c[] = {1.5403530393381606e-04f, 1.3333558146428441e-03f, 9.6181291076284770e-03f,
+                              5.5504108664821576e-02f, 2.4022650695910071e-01f, 6.9314718055994531e-01f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.5252733804059838e-05f);
+    for (int i = 0; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    const __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), y);
+}
+
+static void tile_softmax(const struct prefill_shape *s, struct prefill_scratch *w, int n) {
+    for (int i = 0; i < s->lanes; i += 16) {
+        const __m512 old = _mm512_loadu_ps(w->m + i);
+        __m512 peak = old, sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; ++j) peak = _mm512_max_ps(peak, _mm512_loadu_ps(w->st + j * s->lanes + i));
+        for (int j = 0; j < n; ++j) {
+            float *p = w->st + j * s->lanes + i;
+            const __m512 e = v16_exp2(_mm512_sub_ps(_mm512_loadu_ps(p), peak));
+            _mm512_storeu_ps(p, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 alpha = v16_exp2(_mm512_sub_ps(old, peak));
+        _mm512_storeu_ps(w->alpha + i, alpha);
+        _mm512_storeu_ps(w->l + i, _mm512_fmadd_ps(_mm512_loadu_ps(w->l + i), alpha, sum));
+        _mm512_storeu_ps(w->m + i, peak);
+    }
+}
+#endif
 
 /* ot[d0 + r][0..16) = alpha * ot[d0 + r][..] + sum_j v[j][d0 + r] * pt[j][0..16) for r < nd. */
 static inline __attribute__((always_inline)) void pv_block(int nd, const float *const *v, int d0, const float *pt,
