@@ -10,7 +10,9 @@ Without the C build (or under CADENZA_KERNELS=torch) the torch reference decodes
 gemm_dtype bf16 (WeightFormat.gemm_dtype: where the CPU multiplies bf16 natively) runs those
 many-row GEMMs on x and the tiles rounded to bf16, fp32 back: oneDNN's bf16 GEMM ran at
 ~2.8x its fp32 rate on an AVX512-BF16 Zen, and a 512-token prefill took 0.68-0.73 s
-against 1.21-1.28 s (docs/bench/cpu_gemm.json). A bf16 weight's tiles are its own storage.
+against 1.21-1.28 s (docs/bench/cpu_gemm.json; 0.49-0.51 s with the rest of the prefill
+cut too, cpu_prefill_bf16.json). The C kernel decodes those tiles straight to bf16; a bf16
+weight's tiles are its own storage.
 With int8_activations the q4 / q8 formats read x rounded to int8 per block of 32 in every
 path (see csrc/packed_linear.c); without it (the default) every path is exact fp32.
 """
