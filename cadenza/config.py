@@ -109,8 +109,9 @@ class EngineConfig:
     rate there; x and the weight tiles rounded to bf16, results back in fp32), else float32;
     "float32" keeps them exact; "bfloat16" forces bf16 (slow where the CPU emulates it).
     bf16 also runs prefill attention's QK^T and PV on bf16 inputs (fp32 sums and softmax)
-    where the CPU has AVX512-BF16. Decode's few-row kernels and decode attention stay fp32, so a prompt's KV and a decode's differ by
-    bf16 rounding, and greedy tokens may change with batch size and prefix-cache hits.
+    where the CPU has AVX512-BF16. Decode's few-row kernels and decode attention stay fp32,
+    so a prompt's KV and a decode's differ by bf16 rounding, and greedy tokens may change
+    with batch size and prefix-cache hits.
 
     block_size: tokens per KV block. num_blocks: the KV pool's size in blocks, when given.
     Else the pool holds what max_num_seqs requests of max_model_len tokens can use at once
