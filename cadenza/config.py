@@ -98,7 +98,8 @@ class EngineConfig:
     anything, so "cuda" without a GPU is a clear error.
 
     kv_cache_dtype: the KV cache's element type. "auto" (default): the activations' (fp32 on
-    the CPU, the model's dtype on CUDA); "float16" on the CPU halves what a long context's
+    the CPU, the model's dtype on CUDA), except float16 on a CPU where cpu_gemm_dtype resolves
+    to bf16 (prefill already rounds activations to bf16 there); "float16" on the CPU halves what a long context's
     decode reads (its C kernels widen each key tile to fp32 as they load it) and the pool's
     bytes, for an fp16 rounding of K and V ("bfloat16" there runs the torch reference). On
     CUDA the Triton kernels take the activations' dtype only.

@@ -72,10 +72,10 @@ class WeightFormat:
         on_cuda = device.startswith("cuda")
         compute = DTYPES[resolved] if on_cuda else torch.float32
         keep = quantization in (None, "gguf")
-        kv = compute if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+        gemm = compute if on_cuda else DTYPES[resolve_cpu_gemm_dtype(cpu_gemm_dtype, resolved)]
+        kv = _auto_kv_dtype(compute, gemm, on_cuda) if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
         if on_cuda and kv != compute:
             raise ValueError(f"on CUDA the KV cache is in the activations' dtype ({compute}), not {kv_cache_dtype}")
-        gemm = compute if on_cuda else DTYPES[resolve_cpu_gemm_dtype(cpu_gemm_dtype, resolved)]
         gguf_only = quantization == "gguf"
         return cls(resolved, on_load, group_size, keep, compute, gguf_only, int8_activations, kv, gemm)
 
@@ -91,3 +91,11 @@ class WeightFormat:
         """A short name for logs and /stats: "int4-g64", "bf16", ..."""
         name = f"int4-g{self.group_size}" if self.quantization == "int4" else self.quantization or self.dense_kind
         return f"{name}-a8" if self.int8_activations else name
+
+
+def _auto_kv_dtype(compute: torch.dtype, gemm: torch.dtype, on_cuda: bool) -> torch.dtype:
+    """kv_cache_dtype "auto": the activations' dtype, except on a CPU whose prefill GEMMs are
+    bf16 (cpu_gemm_dtype resolved to bf16: activations are rounded to bf16 there already),
+    where fp16 K/V, finer than bf16, halve what a long context's decode reads and the pool's
+    bytes (SmolLM2 at 6144 tokens, Zen 4: 45.6 against 37.3 tok/s)."""
+    return torch.float16 if not on_cuda and gemm == torch.bfloat16 else compute

@@ -94,3 +94,22 @@ def test_cpu_gemms_are_bf16_only_where_auto_means_bf16(monkeypatch: pytest.Monke
     assert gemm("float16", device="cuda") == torch.float16
     with pytest.raises(ValueError, match="cpu_gemm_dtype must be one of"):
         EngineConfig(model="m", cpu_gemm_dtype="int8")
+
+
+def test_the_kv_cache_is_fp16_by_default_only_where_the_cpu_gemms_are_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_cache_dtype "auto" follows cpu_gemm_dtype on the CPU: fp16 K/V where prefill already
+    rounds to bf16, the exact fp32 elsewhere (an explicit float32 GEMM keeps fp32 KV); CUDA's
+    is the activations' dtype; an explicit kv_cache_dtype wins."""
+    kv = lambda dtype, device="cpu", gemm="auto", asked="auto": (  # noqa: E731
+        WeightFormat.resolve(dtype, None, 32, device, kv_cache_dtype=asked, cpu_gemm_dtype=gemm).cache_dtype(
+            torch.float32
+        )
+    )
+    monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "bfloat16")  # as on an AVX512-BF16 / AMX CPU
+    assert kv("auto") == torch.float16
+    assert kv("auto", gemm="float32") == torch.float32 and kv("float32") == torch.float32
+    assert kv("auto", asked="float32") == torch.float32
+    monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "float32")  # a CPU without native bf16
+    assert kv("auto") == torch.float32
+    assert kv("float32", gemm="bfloat16") == torch.float16  # bf16 GEMMs asked for
+    assert kv("bfloat16", device="cuda") == torch.bfloat16
