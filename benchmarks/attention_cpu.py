@@ -1,4 +1,4 @@
-"""CPU paged attention micro-benchmark (fp32, SmolLM2-135M's attention shapes), as JSON.
+"""CPU paged attention micro-benchmark (SmolLM2-135M's attention shapes), as JSON.
 
 Decode: one layer's attention for a batch of rows at a context length, the old paths (the
 torch reference, which gathers a padded copy, and the C kernel of OLD_REV, one work item per
@@ -6,7 +6,8 @@ torch reference, which gathers a padded copy, and the C kernel of OLD_REV, one w
 the figure of merit is GB/s beside the machine's read bandwidth measured in the same run.
 Calls cycle through up to 30 layers' worth of distinct caches (SmolLM2 has 30), at least
 POOL_BYTES of them when the context allows, so K/V come from memory as in a real decode
-step, not from a cache the previous call left warm.
+step, not from a cache the previous call left warm. `--kv-dtype float16` runs the decode cases
+on fp16 caches (the C kernel's CADENZA_KV_F16 build; the old kernel read fp32 only).
 
 Prefill: one layer's attention for a prompt run as chunks of `--chunk` tokens over the paged
 cache (chunk i attends to everything before it), the torch reference (gather + SDPA) against
@@ -14,6 +15,7 @@ the tiled C kernel: GFLOP/s, counting 4 * causal (query, key) pairs * D * H, bes
 machine's fp32 GEMM rate (torch.mm 2048 x 2048) measured in the same run.
 
     .venv/bin/python -m cadenza.benchmarks.attention_cpu [--contexts ...] [--batches ...] [--prompts ...]
+        [--kv-dtype float32|float16]
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def decode_case(
     tables = _layer_tables(k_cache.shape[0], batch, context)
     lens = torch.full((batch,), context, dtype=torch.int64)
     q = torch.randn(batch, HEADS, HEAD_DIM)
-    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 4 * 2
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size() * 2
     case: dict[str, object] = {"context": context, "batch": batch, "layers_cycled": len(tables), "kv_bytes": kv_bytes}
     expected = paged_decode_attention_ref(q, k_cache, v_cache, tables[0], lens, SCALE)
     for name, kernel in kernels.items():
@@ -201,20 +203,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--seconds", type=float, default=0.3, help="time per decode kernel and case")
     parser.add_argument("--old-rev", default=OLD_REV, help="git revision of the old decode kernel")
+    parser.add_argument(
+        "--kv-dtype", choices=["float32", "float16"], default="float32", help="the decode cases' KV cache dtype"
+    )
     args = parser.parse_args(argv)
+    kv_dtype = getattr(torch, args.kv_dtype)
     torch.manual_seed(0)
-    result: dict[str, object] = {"threads": torch.get_num_threads()}
+    result: dict[str, object] = {"threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype}
     result["machine"] = {
         "read_gbps": round(measure_read_gbps(1024), 2),
         "gemm_gflops": round(measure_gemm_gflops(2048, 5), 2),
     }
     kernels: dict[str, DecodeFn] = {"torch_ref": paged_decode_attention_ref}
-    old = old_decode_kernel(args.old_rev)
+    old = old_decode_kernel(args.old_rev) if kv_dtype == torch.float32 else None  # the old kernel read fp32 only
     if old is not None:
         kernels["old_c"] = old
     kernels["new"] = paged_decode_attention_cpu
-    pool_blocks = POOL_BYTES // (2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4)
-    pool = tuple(torch.empty(pool_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM).normal_() for _ in range(2))
+    pool_blocks = POOL_BYTES // (2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * kv_dtype.itemsize)
+    pool = tuple(torch.empty(pool_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM).normal_().to(kv_dtype) for _ in range(2))
     result["decode"] = [
         decode_case(pool, context, batch, kernels, args.seconds) for batch in args.batches for context in args.contexts
     ]
