@@ -10,6 +10,10 @@ on a GPU, a tiny one for the CPU dry run. In the check's dtype it reports:
   request's first to last token);
 - a batch-1 decode step's bytes (weights + the KV it reads) over its TPOT, as a fraction of
   the device's copy bandwidth measured in the same run.
+Each engine mode runs it: on CUDA with decode graphs and async scheduling (the defaults,
+`graphs`), graphs without async scheduling (`graphs_sync`) and eager (`eager`); on the CPU,
+where there are no graphs, eager with async scheduling off (its default there) and on
+(`eager_async`). `async_speedup` is, per batch, TPOT without it over TPOT with it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ TINY_LLAMA = dict(
     tie_word_embeddings=True,
 )  # fmt: skip
 PROMPT_LEN = 32
+# The engine settings of each mode the check runs (see the docstring).
+CUDA_MODES = {
+    "graphs": dict(enforce_eager=False, async_scheduling=True),
+    "graphs_sync": dict(enforce_eager=False, async_scheduling=False),
+    "eager": dict(enforce_eager=True),
+}
+CPU_MODES = {"eager": dict(enforce_eager=True), "eager_async": dict(enforce_eager=True, async_scheduling=True)}
 
 
 def build_random_llama(shape: dict[str, Any], dtype: torch.dtype, directory: Path, seed: int = 0) -> torch.nn.Module:
@@ -110,36 +121,40 @@ def decode_tpot_ms(llm: Any, vocab: int, batch: int, tokens: int) -> float:
 def model_check(
     tiny: bool, device: torch.device, dtype: torch.dtype, steps: int = 64, batches: tuple[int, ...] = (1, 8, 64)
 ) -> dict[str, Any]:
-    """The whole-model report (see the module's docstring), with decode CUDA graphs and
-    without (enforce_eager); off CUDA there are no graphs, so only the eager run is made."""
+    """The whole-model report (see the module's docstring), one engine per mode."""
     shape = TINY_LLAMA if tiny else LLAMA_1B
     name = str(dtype).removeprefix("torch.")
-    modes = {"graphs": False, "eager": True} if device.type == "cuda" else {"eager": True}
+    modes = CUDA_MODES if device.type == "cuda" else CPU_MODES
     with tempfile.TemporaryDirectory() as directory:
         hf = build_random_llama(shape, dtype, Path(directory)).to(device=device, dtype=dtype)
         prompt = torch.randint(0, shape["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(7))
         report: dict[str, Any] = {"model": "tiny-llama" if tiny else "llama-3.2-1b-shaped", "dtype": name}
-        for mode, eager in modes.items():
-            report[mode] = _engine_report(directory, hf, prompt.tolist(), shape, device, name, eager, steps, batches)
+        for mode, engine in modes.items():
+            report[mode] = _engine_report(directory, hf, prompt.tolist(), shape, device, name, engine, steps, batches)
     first = report[next(iter(modes))]
     report["vs_transformers"] = {
         "greedy_identical": all(report[m]["vs_transformers"]["greedy_identical"] for m in modes)
     }
     if "graphs" in report:
         report["graphs_speedup_batch1"] = round(report["eager"]["tpot_ms"]["1"] / report["graphs"]["tpot_ms"]["1"], 2)
+    on, off = ("graphs", "graphs_sync") if "graphs" in report else ("eager_async", "eager")
+    report["async_speedup"] = {
+        b: round(report[off]["tpot_ms"][b] / report[on]["tpot_ms"][b], 3) for b in report[on]["tpot_ms"]
+    }
     report["decode_step_fraction_of_bandwidth"] = first["decode_step_fraction_of_bandwidth"]
     return report
 
 
 def _engine_report(
     directory: str, hf: torch.nn.Module, prompt: list[int], shape: dict[str, Any], device: torch.device,
-    dtype: str, eager: bool, steps: int, batches: tuple[int, ...],
+    dtype: str, engine: dict[str, bool], steps: int, batches: tuple[int, ...],
 ) -> dict[str, Any]:  # fmt: skip
-    """One engine's figures; on CUDA its KV pool sized by a profile (gpu_memory_utilization)."""
+    """One engine's figures (engine: its mode's settings); on CUDA its KV pool sized by a
+    profile (gpu_memory_utilization)."""
     from cadenza.actors.llm import LLM
 
     sizing = {"gpu_memory_utilization": 0.3} if device.type == "cuda" else {"num_blocks": (max(batches) + 1) * 8}
-    settings = dict(dtype=dtype, device=str(device), block_size=16, max_num_seqs=max(batches), enforce_eager=eager)
+    settings = dict(dtype=dtype, device=str(device), block_size=16, max_num_seqs=max(batches), **engine)
     llm = LLM(directory, **settings, **sizing)
     decode_tokens = 16 if shape is TINY_LLAMA else 64
     report: dict[str, Any] = {"kv_pool_blocks": llm.engine.num_blocks}

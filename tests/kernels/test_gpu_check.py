@@ -41,6 +41,9 @@ def test_tiny_run_checks_every_kernel(capsys: pytest.CaptureFixture[str]) -> Non
     assert eager["vs_transformers"]["steps"] == 64 and eager["vs_transformers"]["max_logprob_diff"] < 1e-3
     assert set(eager["tpot_ms"]) == {"1", "8", "64"} and all(v > 0 for v in eager["tpot_ms"].values())
     assert eager["decode_step_bytes"] > 0 and eager["copy_bandwidth_gb_s"] > 0 and eager["kv_pool_blocks"] == 520
+    ahead = model["eager_async"]  # the same engine scheduling one step ahead: the same tokens, timed too
+    assert ahead["vs_transformers"]["greedy_identical"] and ahead["vs_transformers"]["steps"] == 64
+    assert set(model["async_speedup"]) == {"1", "8", "64"} and all(v > 0 for v in model["async_speedup"].values())
 
 
 @pytest.mark.parametrize("type_name", gpu_cases.GGUF_TYPES)
