@@ -97,5 +97,5 @@ def _auto_kv_dtype(compute: torch.dtype, gemm: torch.dtype, on_cuda: bool) -> to
     """kv_cache_dtype "auto": the activations' dtype, except on a CPU whose prefill GEMMs are
     bf16 (cpu_gemm_dtype resolved to bf16: activations are rounded to bf16 there already),
     where fp16 K/V, finer than bf16, halve what a long context's decode reads and the pool's
-    bytes (SmolLM2 at 6144 tokens, Zen 4: 45.6 against 37.3 tok/s)."""
+    bytes (SmolLM2 at 6144 tokens, Zen 4: 44.2-44.7 against 32.0-34.7 tok/s)."""
     return torch.float16 if not on_cuda and gemm == torch.bfloat16 else compute
