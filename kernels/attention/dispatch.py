@@ -18,6 +18,8 @@ from cadenza.kernels.attention.reference import paged_attention_ref
 from cadenza.kernels.attention.triton_paged import paged_attention_triton
 from cadenza.kernels.backend import backend, runs_native
 
+_PREFILL_BF16 = partial(paged_prefill_attention_cpu, bf16=True)  # built once, not per layer and step
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -33,6 +35,6 @@ def paged_attention(
     if backend(q.device) == "triton":
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     if runs_native(q) and reads_cache(k_cache):
-        long = partial(paged_prefill_attention_cpu, bf16=True) if bf16_products else paged_prefill_attention_cpu
+        long = _PREFILL_BF16 if bf16_products else paged_prefill_attention_cpu
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, decode=paged_decode_attention_cpu, long=long)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -226,6 +226,9 @@ static vf8 decode_tile(const struct decode_shape *s, const float *qs, const int6
     return touched;
 }
 
+/* Keys in the tile that starts `remaining` keys before the end: DEC_TILE, or the rest. */
+static inline int tile_keys(int64_t remaining) { return (int)(remaining < DEC_TILE ? remaining : DEC_TILE); }
+
 /* Every cache line of n token rows of K and V (at + rows[j]) asked for into L2 (prefetcht1).
  * Issued for the next tile before this one's arithmetic, so the two overlap: on a Zen 4
  * (6144 and 2048 keys, batches 1 and 8, 2 threads) K/V read at 14.1 -> 16.6 GB/s, the mean
@@ -249,19 +252,18 @@ static void decode_range(const struct decode_shape *s, int64_t r, int64_t p0, in
     for (int i = 0; i < num_heads * head_dim; ++i) qs[i] = q[i] * s->scale;
     for (int h = 0; h < num_heads; ++h) m[h] = -FLT_MAX, l[h] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)num_heads * head_dim);
-    int64_t rows[DEC_TILE], next[DEC_TILE];
+    int64_t tiles[2][DEC_TILE], *rows = tiles[0], *next = tiles[1];
     vf8 touched = vf8_zero();
-    kv_rows(table, s->block_size, p0, (int)(p1 - p0 < DEC_TILE ? p1 - p0 : DEC_TILE), s->token_stride, 0, rows);
+    kv_rows(table, s->block_size, p0, tile_keys(p1 - p0), s->token_stride, 0, rows);
     for (int64_t pos = p0; pos < p1; pos += DEC_TILE) {
-        const int n = (int)(p1 - pos < DEC_TILE ? p1 - pos : DEC_TILE);
         const int64_t ahead = p1 - pos - DEC_TILE; /* keys after this tile */
         if (ahead > 0) { /* the next tile's rows, asked for while this one computes */
-            kv_rows(table, s->block_size, pos + DEC_TILE, (int)(ahead < DEC_TILE ? ahead : DEC_TILE), s->token_stride, 0,
-                    next);
-            prefetch_rows(s, next, (int)(ahead < DEC_TILE ? ahead : DEC_TILE));
+            kv_rows(table, s->block_size, pos + DEC_TILE, tile_keys(ahead), s->token_stride, 0, next);
+            prefetch_rows(s, next, tile_keys(ahead));
         }
-        touched += decode_tile(s, qs, rows, n, sc, m, l, acc);
-        if (ahead > 0) memcpy(rows, next, sizeof rows);
+        touched += decode_tile(s, qs, rows, tile_keys(p1 - pos), sc, m, l, acc);
+        int64_t *done = rows;
+        rows = next, next = done;
     }
     volatile float keep = vf8_hsum(touched); /* a volatile store: the touching loads must happen */
     (void)keep;

@@ -54,8 +54,9 @@ void rotary(const float *x, int64_t stride_t, int64_t stride_h, const float *cos
  * it vectorises for the host. x is clamped where e^x leaves fp32's normal range. */
 static inline float exp_vec(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504f + 0.5f); /* one vroundps; the 1.5 * 2^23 trick folds away under -fassociative-math */
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln 2 in two parts: exact n * hi */
+    /* round by floor (one vroundps): the 1.5 * 2^23 trick folds away under -fassociative-math */
+    const float n = floorf(x * 1.44269504f + 0.5f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln 2 in two parts: exact n * hi */
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;

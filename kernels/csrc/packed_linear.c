@@ -6,12 +6,13 @@
  * loops run every row of x against it: memory sees only the stored bytes (0.56 B a weight
  * for 4-bit, against 4 for fp32), which is what a decode step is bound by, and x's rows
  * reuse the decoded row, so k + 1 verification rows cost little more than one. The decoders
- * are plain loops over a row the compiler vectorises for the host (-march=native).
+ * are loops over a row the compiler vectorises for the host (-march=native), q4 and q8 with
+ * AVX2 intrinsics where it has them (GCC left their plain loops scalar).
  *
  * packed_dequantize expands a run of rows to fp32 (packed_dequantize_bf16: to bf16, decoded
  * a row at a time in L1, so the tile is written once, at half the bytes) for the many-row
- * GEMM of prefill, which then runs at the BLAS's rate on a cache-sized tile; packed_gather_rows serves embedding
- * lookups from the same storage.
+ * GEMM of prefill, which then runs at the BLAS's rate on a cache-sized tile;
+ * packed_gather_rows serves embedding lookups from the same storage.
  */
 #include <math.h>
 #include <stdlib.h>

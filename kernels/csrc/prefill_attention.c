@@ -139,17 +139,16 @@ static inline vf8 vf8_zero(void) { return vf8_set1(0.0f); }
 /* 2^x for x <= 127: 2^n * 2^r with n = round(x), |r| <= 1/2, and 2^r = e^(r ln 2) by its
  * Taylor series to degree 7 (truncation under 6e-9, below float rounding). Results under
  * 2^-126 are flushed to 0, so -inf (a masked score) gives exactly 0. */
+static const float EXP2_TAYLOR[8] = { /* (ln 2)^k / k!, k = 7 .. 0: Horner's order */
+    1.5252733804059838e-05f, 1.5403530393381606e-04f, 1.3333558146428441e-03f, 9.6181291076284770e-03f,
+    5.5504108664821576e-02f, 2.4022650695910071e-01f, 6.9314718055994531e-01f, 1.0f,
+};
+
 static inline vf8 vf8_exp2(vf8 x) {
     const vf8 clamped = vf8_max(x, vf8_set1(-126.0f));
     const vf8 n = vf8_round(clamped), r = clamped - n;
-    vf8 p = vf8_set1(1.5252733804059838e-05f);
-    p = vf8_fma(p, r, vf8_set1(1.5403530393381606e-04f));
-    p = vf8_fma(p, r, vf8_set1(1.3333558146428441e-03f));
-    p = vf8_fma(p, r, vf8_set1(9.6181291076284770e-03f));
-    p = vf8_fma(p, r, vf8_set1(5.5504108664821576e-02f));
-    p = vf8_fma(p, r, vf8_set1(2.4022650695910071e-01f));
-    p = vf8_fma(p, r, vf8_set1(6.9314718055994531e-01f));
-    p = vf8_fma(p, r, vf8_set1(1.0f));
+    vf8 p = vf8_set1(EXP2_TAYLOR[0]);
+    for (int k = 1; k < 8; ++k) p = vf8_fma(p, r, vf8_set1(EXP2_TAYLOR[k]));
     return vf8_zero_below(vf8_ldexp(p, n), x, -126.0f);
 }
 
@@ -431,10 +430,8 @@ static inline __m512 v16_exp2(__m512 x) {
     const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(clamped, n);
-    static const float c[] = {1.5403530393381606e-04f, 1.3333558146428441e-03f, 9.6181291076284770e-03f,
-                              5.5504108664821576e-02f, 2.4022650695910071e-01f, 6.9314718055994531e-01f, 1.0f};
-    __m512 p = _mm512_set1_ps(1.5252733804059838e-05f);
-    for (int i = 0; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+    for (int k = 1; k < 8; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP2_TAYLOR[k]));
     const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
     const __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), y);

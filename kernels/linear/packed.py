@@ -23,7 +23,6 @@ import torch
 
 from cadenza.kernels.backend import backend
 from cadenza.kernels.cpu.packed import (
-    DEQUANTIZE_TO,
     BoundWeight,
     packed_available,
     packed_dequantize,
@@ -87,10 +86,9 @@ class PackedLinear(LinearMethod):
         w = self.weight
         if DENSE_KINDS.get(w.kind) == dtype:
             return w.data[start:end]
-        if bound is not None and dtype in DEQUANTIZE_TO:  # decoded straight to dtype, written once
+        if bound is not None:  # decoded straight to dtype (fp32 or bf16), written once
             return packed_dequantize(bound, start, end, dtype)
-        tile = packed_dequantize(bound, start, end) if bound is not None else dequantize(w, start, end)
-        return tile.to(dtype)
+        return dequantize(w, start, end).to(dtype)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W as fp32 (embedding lookups from the same storage)."""
