@@ -101,8 +101,8 @@ class EngineConfig:
     the CPU, the model's dtype on CUDA), except float16 on a CPU where cpu_gemm_dtype resolves
     to bf16 (prefill already rounds activations to bf16 there); "float16" on the CPU halves
     what a long context's decode reads (its C kernels widen each key tile to fp32 as they
-    load it) and the pool's bytes, for an fp16 rounding of K and V ("bfloat16" there runs the torch reference). On
-    CUDA the Triton kernels take the activations' dtype only.
+    load it) and the pool's bytes, for an fp16 rounding of K and V ("bfloat16" there runs the
+    torch reference). On CUDA the Triton kernels take the activations' dtype only.
 
     cpu_gemm_dtype: the CPU's many-row GEMMs (prefill chunks, batches past 16 rows) over
     weights in a stored format (GGUF, int8 / int4, bf16 / fp16). "auto" (default): bfloat16
