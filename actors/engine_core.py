@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 
 from cadenza.actors.block_pool import BlockPool
+from cadenza.actors.device_samples import landed
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.request import Request
@@ -203,7 +204,7 @@ class EngineCore:
             self._in_flight.append((so, self.step_thread.submit(self.runner.execute, so)))
         so, future = self._in_flight.popleft()
         try:
-            out = future.result()
+            out = landed(future.result())  # its samples reach the host while the next step computes
         except Exception as e:
             log.exception("a step failed; failing its requests")
             return failed + self.fail_step(so, e)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from cadenza.actors.device_samples import PendingOutput
 from cadenza.actors.executor import WorkerFailure, classify_step_error
 from cadenza.actors.worker import Worker
 from cadenza.config import EngineConfig
@@ -62,7 +63,9 @@ class LocalExecutor:
 
     async def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:
-            result = await self._call(self.worker.execute, so)
+            result = await self._call(self.worker.launch, so)
+            if isinstance(result, PendingOutput):  # scheduling ahead: the next step is launching
+                result = result.result() if result.ready() else await asyncio.to_thread(result.result)
         except Exception as e:
             raise classify_step_error(e, tensor_parallel=False) from e
         if not isinstance(result, ModelRunnerOutput):  # the one worker is the last stage's driver

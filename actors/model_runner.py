@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from cadenza.actors.cuda_graphs import DecodeGraphs, GraphSettings, capture_sizes
+from cadenza.actors.device_copy import take_rows, to_device
+from cadenza.actors.device_samples import DeviceSamples, PendingOutput, fed_ids
 from cadenza.actors.grammar_matchers import GrammarError, GrammarMatchers, GrammarQuery
 from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.request import ends_on_token
-from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample
+from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample, sample_on_device
 from cadenza.actors.spec_proposal import ProposalInput, Proposer
 from cadenza.actors.stage_link import StageLink
 from cadenza.actors.varlen_batch import Chunk, build_batch
@@ -27,6 +29,8 @@ from cadenza.models.tokenizer import Tokenizer
 from cadenza.sampling_params import SamplingParams
 
 GrammarMasks = dict[str, list[torch.Tensor] | GrammarError]
+# Stands in for a pending token in a batch's host-built input ids until fed_ids writes it.
+PLACEHOLDER_ID = 0
 
 
 @dataclass(slots=True)
@@ -40,6 +44,9 @@ class RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+    # Scheduling ahead: the last sampled token is known only on the device so far (the
+    # runner's previous DeviceSamples); it follows token_ids, and a step feeds it from there.
+    pending: bool = False
 
     @property
     def output_ids(self) -> list[int]:
@@ -47,13 +54,14 @@ class RunnerRequest:
 
     @property
     def num_known(self) -> int:
-        return len(self.token_ids) + len(self.spec_token_ids)
+        return len(self.token_ids) + self.pending + len(self.spec_token_ids)
 
     def known_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of the known tokens followed by the drafts, without copying the
-        whole context each step."""
+        """Tokens [start, end) of the known tokens, a placeholder for the pending one, then the
+        drafts, without copying the whole context each step."""
         n = len(self.token_ids)
-        return self.token_ids[start:end] + self.spec_token_ids[max(start - n, 0) : max(end - n, 0)]
+        tail = [PLACEHOLDER_ID] * self.pending + self.spec_token_ids
+        return self.token_ids[start:end] + tail[max(start - n, 0) : max(end - n, 0)]
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RunnerRequest:
@@ -145,6 +153,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.samples_ahead = samples_ahead
         self._stopped: set[str] = set()  # ahead: ended here, awaiting the scheduler's drop
+        self._previous: DeviceSamples | None = None  # ahead: the last step's, not yet settled
+        self._samples: DeviceSamples | None = None  # ahead: this step's, once sampled
         self.proposer = proposer  # speculative decoding, on the driver only
         # Structured outputs: the driver samples, so it alone follows the grammars.
         self.grammar = GrammarMatchers(tokenizer, eos_token_ids) if is_driver else None
@@ -152,16 +162,23 @@ class ModelRunner:
         self._forwarded = 0.0
         self._received: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's, from the stage before
 
-    def execute(self, so: SchedulerOutput, previous: HiddenStates | None = None) -> ModelRunnerOutput | HiddenStates:
+    def execute(
+        self, so: SchedulerOutput, previous: HiddenStates | None = None
+    ) -> ModelRunnerOutput | HiddenStates | PendingOutput:
+        """One step. Scheduling ahead, the output is a PendingOutput: its samples reach the
+        host after this returns, and the next step is launched meanwhile (device_samples.py)."""
         started = time.monotonic()
         if previous is not None:  # first, before anything can fail: the sender waits on it
             self._received = self.link.recv(previous, self.device)
         self._update_states(so)
         scheduled = so.num_scheduled_tokens
-        if self._stopped:  # only ever when sampling ahead
-            scheduled = {rid: n for rid, n in scheduled.items() if rid not in self._stopped}
+        if self.samples_ahead:
+            scheduled = self._computable(scheduled)
         if not scheduled:
+            self._settle()
             return ModelRunnerOutput.empty()
+        if self._grammar_waits(scheduled):  # its mask follows the pending token
+            self._settle()
         batch = self._prepare(scheduled)
         self._masks = self._start_masks(batch)  # computed while the forward pass runs
         try:
@@ -172,6 +189,7 @@ class ModelRunner:
             raise
         finally:
             self._grammar_masks()  # joined even on failure: the matchers are not thread-safe
+            self._settle()  # the previous step's samples, whatever became of this one
         if self.proposer is not None and isinstance(result, ModelRunnerOutput):
             result.draft_token_ids = self.proposer.propose(self._proposal_inputs(batch, result, so.num_spec_tokens))
         for rid, n in scheduled.items():
@@ -179,17 +197,55 @@ class ModelRunner:
         if isinstance(result, ModelRunnerOutput):
             result.timing = [started, self._forwarded, time.monotonic()]
             if self.samples_ahead:
-                self._append_own(result)
+                return self._ahead(result)
         return result
 
-    def _append_own(self, out: ModelRunnerOutput) -> None:
-        """Ahead, the next step is planned without these tokens: the runner keeps them itself."""
-        for rid, tokens in out.sampled.items():
-            req = self.requests[rid]
-            req.token_ids.extend(tokens)
-            if ends_on_token(tokens[-1], len(req.token_ids) - req.num_prompt_tokens, req.params, self.eos_token_ids):
-                self._stopped.add(rid)
+    def _ahead(self, out: ModelRunnerOutput) -> PendingOutput:
+        """Ahead, the next step is planned without this step's tokens: the runner keeps them
+        itself, those still on the device as pending, fed to the next step from there."""
         self._stopped.update(out.failed)
+        for rid, tokens in out.sampled.items():  # sampled on the host (a batch retried alone)
+            self._append_own(self.requests[rid], tokens[-1])
+        samples, self._samples = self._samples, None
+        if samples is not None:
+            for rid in samples.req_ids:
+                # A request its settled token just ended computed once more; that token is
+                # dropped here and by the scheduler, which has ended it.
+                self.requests[rid].pending = rid not in self._stopped
+            self._previous = samples
+        return PendingOutput(out, samples)
+
+    def _append_own(self, req: RunnerRequest, token: int) -> None:
+        req.token_ids.append(token)
+        if ends_on_token(token, len(req.token_ids) - req.num_prompt_tokens, req.params, self.eos_token_ids):
+            self._stopped.add(req.req_id)
+
+    def _settle(self) -> None:
+        """The previous step's samples to the host, appended where still pending. Called once
+        this step's forward pass is launched, so on a GPU the wait overlaps it."""
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        for rid, token in zip(previous.req_ids, previous.values()[0], strict=True):
+            req = self.requests.get(rid)
+            if req is not None and req.pending:  # not dropped (or its id reused) meanwhile
+                req.pending = False
+                self._append_own(req, token)
+
+    def _computable(self, scheduled: dict[str, int]) -> dict[str, int]:
+        """Ahead: the scheduled requests this runner can compute. Not those it stopped, nor one
+        planned past its known tokens: a step planned before it never reached this runner
+        (it failed on the way), so the tokens it would have sampled do not exist."""
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            if req.num_computed_tokens + n > req.num_known:
+                self._stopped.add(rid)
+        return {rid: n for rid, n in scheduled.items() if rid not in self._stopped}
+
+    def _grammar_waits(self, scheduled: dict[str, int]) -> bool:
+        return any(
+            (req := self.requests[rid]).pending and req.params.structured_outputs is not None for rid in scheduled
+        )
 
     def _capture(self, settings: GraphSettings, num_blocks: int) -> DecodeGraphs:
         max_blocks = -(-settings.max_model_len // self.block_size)
@@ -229,7 +285,7 @@ class ModelRunner:
         tables = meta.block_tables
         if num_tokens != meta.num_reqs:  # verification: each token's row takes its request's table
             qsl = meta.query_start_loc
-            per_request = torch.tensor([qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)], device=tables.device)
+            per_request = to_device([qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)], torch.long, tables.device)
             tables = tables.repeat_interleave(per_request, dim=0)
         inputs = {
             "input_ids": batch.input_ids,
@@ -258,7 +314,7 @@ class ModelRunner:
         hidden = model.final_norm(x, residual)
         self._forwarded = time.monotonic()  # the timeline's forward / sample boundary
         # Sampled where the logits are: only the token ids (and logprobs asked for) reach the host.
-        logits = self.model.compute_logits(hidden[batch.sample_rows]) if batch.sampling else None
+        logits = self.model.compute_logits(take_rows(hidden, batch.sample_rows)) if batch.sampling else None
         out = self._sample(logits, batch)
         out.prompt_logprobs = self._prompt_logprobs(hidden, batch, out.failed)
         return out
@@ -286,6 +342,8 @@ class ModelRunner:
             self.grammar.drop(rid)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        if any(delta.new_token_ids for delta in so.cached_requests):  # they follow any pending one
+            self._settle()
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._stopped.discard(rid)
@@ -309,15 +367,21 @@ class ModelRunner:
         order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
         reqs = [self.requests[rid] for rid in order]
         chunks, sample_rows, sampling = [], [], []
+        fed_rows, fed_reqs = [], []
         num_tokens = 0
         for req in reqs:
             start, end = req.num_computed_tokens, req.num_computed_tokens + scheduled[req.req_id]
             chunks.append(Chunk(req.known_slice(start, end), start, req.block_ids))
+            if req.pending and start <= len(req.token_ids) < end:
+                fed_rows.append(num_tokens + len(req.token_ids) - start)
+                fed_reqs.append(req.req_id)
             num_tokens += end - start
             if end == req.num_known:  # caught up with the known tokens: sample (and verify drafts)
                 sample_rows += range(num_tokens - len(req.spec_token_ids) - 1, num_tokens)
                 sampling.append(req)
         ids, positions, meta = build_batch(chunks, self.block_size, self.device)
+        if fed_rows:
+            fed_ids(ids, fed_rows, self._previous, fed_reqs)
         return Batch(ids, positions, meta, reqs, [c.end for c in chunks], sample_rows, sampling)
 
     def _sample(self, logits: torch.Tensor | None, batch: Batch) -> ModelRunnerOutput:
@@ -326,6 +390,7 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         if not self.is_driver:  # the gather above is collective; sampling is the driver's alone
             return ModelRunnerOutput.empty()
+        self._settle()  # penalties, seeds and min_tokens read the outputs so far
         out = ModelRunnerOutput.empty()
         masks = self._grammar_masks()
         plain, plain_rows, spec, spec_rows = [], [], [], []
@@ -352,11 +417,22 @@ class ModelRunner:
     # is then sampled again one request at a time, and only the request that fails alone is
     # reported in `failed`. The forward pass is never repeated.
 
-    def _sample_plain(self, out: ModelRunnerOutput, logits: torch.Tensor, reqs: list, rows: list[int]) -> None:
+    def _sample_plain(
+        self, out: ModelRunnerOutput, logits: torch.Tensor, reqs: list, rows: list[int], on_device: bool | None = None
+    ) -> None:
+        """Ahead, the batch's samples stay on the device (self._samples); a batch retried one
+        request at a time samples on the host."""
+        on_device = self.samples_ahead if on_device is None else on_device
         try:
-            tokens, logprobs = sample(logits[rows], [self._row(r, mask=self._mask(r, 0)) for r in reqs])
+            sampling_rows = [self._row(r, mask=self._mask(r, 0)) for r in reqs]
+            if on_device:
+                tokens, logprobs = sample_on_device(take_rows(logits, rows), sampling_rows)
+                self._samples = DeviceSamples([r.req_id for r in reqs], tokens, logprobs)
+                return
+            tokens, logprobs = sample(logits[rows], sampling_rows)
         except Exception as e:
-            self._one_by_one(out, e, reqs, rows, lambda r, row: self._sample_plain(out, logits, [r], [row]))
+            retry = lambda r, row: self._sample_plain(out, logits, [r], [row], on_device=False)  # noqa: E731
+            self._one_by_one(out, e, reqs, rows, retry)
             return
         self._record(out, reqs, [[t] for t in tokens], [None if lp is None else [lp] for lp in logprobs])
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cadenza.actors.device_copy import take_rows, to_device
+from cadenza.actors.device_samples import LogprobTensors
 from cadenza.messages import TokenLogprobs
 from cadenza.sampling_params import SamplingParams
 
@@ -41,19 +43,27 @@ class SamplingRow:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [N, V] fp32, one row per request -> (token per row, logprobs per row or None)."""
-    want_logprobs = any(r.params.logprobs is not None for r in rows)
-    raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    tokens, logprobs = sample_on_device(logits, rows)
+    token_list = tokens.tolist()
+    if logprobs is None:
+        return token_list, [None] * len(rows)
+    return token_list, logprobs.entries(token_list, logprobs.tensors())
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, LogprobTensors | None]:
+    """sample() with its results left where the logits are: no value is read on the host, so
+    on a GPU nothing waits for the device (penalties and grammar masks aside)."""
+    asked = [r.params.logprobs for r in rows]
+    raw = torch.log_softmax(logits, dim=-1) if any(k is not None for k in asked) else None
     logits = apply_penalties_and_masks(logits, rows)
     tokens = logits.argmax(dim=-1)
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random:
-        tokens[random] = _sample_random(logits[random], [rows[i] for i in random])
-    token_list = tokens.tolist()
-    logprobs = [
-        token_logprobs(raw[i], t, r.params.logprobs) if raw is not None and r.params.logprobs is not None else None
-        for i, (t, r) in enumerate(zip(token_list, rows))
-    ]
-    return token_list, logprobs
+    if len(random) == len(rows):
+        tokens = _sample_random(logits, rows)
+    elif random:
+        drawn = _sample_random(take_rows(logits, random), [rows[i] for i in random])
+        tokens.index_copy_(0, to_device(random, torch.long, tokens.device), drawn)
+    return tokens, LogprobTensors.of(raw, tokens, asked) if raw is not None else None
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -123,12 +133,12 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The distribution a random row draws from: temperature, top-k, top-p, then min-p.
     Rows may not sum to 1 after min-p; draw() and the rejection sampler do not need them to."""
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    temperature = to_device([r.params.temperature for r in rows], logits.dtype, logits.device)
     logits = logits / temperature[:, None]
     logits = _top_k_top_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=probs.device)
-    if bool((min_p > 0).any()):
+    if any(r.params.min_p > 0 for r in rows):  # decided on the host: no wait for the device
+        min_p = to_device([r.params.min_p for r in rows], probs.dtype, probs.device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
@@ -144,8 +154,12 @@ def draw(weights: torch.Tensor, rows: list[SamplingRow], salt: str = "") -> torc
     seeded = [(i, g) for i, r in enumerate(rows) if (g := r.generator(salt)) is not None]
     if len(seeded) < len(rows):
         noise.exponential_()  # the unseeded rows' (the seeded ones are overwritten below)
-    for i, g in seeded:
-        noise[i] = torch.empty(weights.shape[-1], dtype=weights.dtype).exponential_(generator=g)
+    if seeded:
+        drawn = torch.empty(len(seeded), weights.shape[-1], dtype=weights.dtype)
+        for row, (_, g) in zip(drawn, seeded, strict=True):
+            row.exponential_(generator=g)
+        at = to_device([i for i, _ in seeded], torch.long, noise.device)
+        noise.index_copy_(0, at, drawn.pin_memory().to(noise.device, non_blocking=True) if noise.is_cuda else drawn)
     return (weights / noise).argmax(dim=-1)
 
 
@@ -156,11 +170,11 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    k = torch.tensor([k or logits.shape[-1] for k in top_k], device=logits.device)[:, None]
+    k = to_device([k or logits.shape[-1] for k in top_k], torch.long, logits.device)[:, None]
     drop = rank >= k
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-    drop |= before >= torch.tensor(top_p, dtype=logits.dtype, device=logits.device)[:, None]
+    drop |= before >= to_device(top_p, logits.dtype, logits.device)[:, None]
     drop[:, 0] = False  # the most likely token always survives
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cadenza.actors.device_copy import to_device
 from cadenza.kernels.attention.metadata import AttentionMetadata
 
 
@@ -42,11 +43,11 @@ def build_batch(
     width = max(len(c.block_ids) for c in chunks)
     tables = [c.block_ids + [0] * (width - len(c.block_ids)) for c in chunks]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=to_device(slots, torch.long, device),
         query_start_loc=qsl,
         seq_lens=seq_lens,
-        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        seq_lens_tensor=to_device(seq_lens, torch.long, device),
+        block_tables=to_device(tables, torch.long, device),
         num_decodes=num_decodes,
     )
-    return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device), meta
+    return to_device(ids, torch.long, device), to_device(positions, torch.long, device), meta

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cadenza.actors import codec
+from cadenza.actors.device_samples import PendingOutput, landed
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.runner_setup import build_runner, kv_pool_blocks
@@ -118,6 +119,11 @@ class Worker:
     def execute(self, step: SchedulerOutput, previous: HiddenStates | None = None) -> StageOutput:
         """Run this shard's part of a step. A later stage gets the previous stage's output: None
         after an empty step (bookkeeping only), which carries no hidden states."""
+        return landed(self.launch(step, previous))
+
+    def launch(self, step: SchedulerOutput, previous: HiddenStates | None = None) -> StageOutput | PendingOutput:
+        """execute(), but scheduling ahead the output may still be pending (in-process callers
+        only: a PendingOutput holds device tensors, and crosses no actor boundary)."""
         if self.runner is None:
             raise RuntimeError("worker.execute before worker.load")
         result = self.runner.execute(step, previous if step.total_num_scheduled_tokens else None)

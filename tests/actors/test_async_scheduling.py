@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from cadenza import LLM, SamplingParams
+from cadenza.actors import model_runner
 from cadenza.actors.block_pool import BlockPool
+from cadenza.actors.device_samples import DeviceSamples
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.request import Request
 from cadenza.actors.scheduler import Scheduler
@@ -66,8 +68,8 @@ def test_ahead_equals_one_at_a_time(tiny_model, budget: int) -> None:
 
 
 def test_stops_and_min_tokens_end_where_they_do_one_at_a_time(tiny_model) -> None:
-    """A stop token the runner sees first: it stops computing the request at once, and the
-    step already planned past it computes nothing for it."""
+    """A stop token the runner sees first: the step launched before that token reached the
+    host computes the request once more (its token dropped), and then nothing."""
     path, _ = tiny_model()
     sync, ahead = _pair(str(path), num_blocks=128, block_size=8)
     prompts = _prompts(4, seed=1)
@@ -206,3 +208,44 @@ def test_scheduling_ahead_cannot_speculate() -> None:
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="cannot speculate"):
         Scheduler(kv, 4, 64, 64, spec, schedule_ahead=True)
+
+
+def test_the_next_step_is_fed_its_token_on_the_device_before_the_host_reads_it(
+    tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decode step's input id is the previous sample, gathered where it was sampled (a
+    placeholder on the host), and the runner reads that sample on the host only after the
+    step using it has run its forward pass: on a GPU the host never waits for step N before
+    launching step N + 1."""
+    path, _ = tiny_model()
+    llm = LLM(str(path), async_scheduling=True, num_blocks=64, block_size=8)
+    runner = llm.engine.runner
+    log: list[str] = []
+    embedded: list[list[int]] = []
+    real_fed, real_settle, real_embed = model_runner.fed_ids, runner._settle, runner.model.embed
+
+    def fed(input_ids: torch.Tensor, rows: list[int], previous: DeviceSamples, req_ids: list[str]) -> None:
+        assert input_ids[rows].tolist() == [model_runner.PLACEHOLDER_ID] * len(rows)
+        log.append("fed")
+        real_fed(input_ids, rows, previous, req_ids)
+
+    def settle() -> None:
+        log.append("settle" if runner._previous is not None else "-")
+        real_settle()
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        log.append("forward")
+        embedded.append(ids.tolist())
+        return real_embed(ids)
+
+    monkeypatch.setattr(model_runner, "fed_ids", fed)
+    monkeypatch.setattr(runner, "_settle", settle)
+    monkeypatch.setattr(runner.model, "embed", embed)
+    prompt = [5, 9, 2, 7]
+    (out,) = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
+    tokens = out.outputs[0].token_ids
+    assert embedded == [prompt] + [[t] for t in tokens[:-1]]
+    # "-": a settle with nothing pending (the prompt's step; steps that sample nothing).
+    assert [e for e in log if e != "-"] == ["forward"] + ["fed", "forward", "settle"] * 5

@@ -89,3 +89,17 @@ def test_grammar_mask_bans_all_but_its_tokens() -> None:
     assert sample(logits, [row])[0] == [4]
     seeded = SamplingRow(SamplingParams(temperature=1.0, seed=1), [1], [], (), mask)
     assert all(sample(logits, [seeded])[0][0] in (2, 4) for _ in range(20))
+
+
+def test_batched_logprobs_equal_each_row_on_its_own() -> None:
+    """One top-k at the largest k asked, sliced per row, gives each row's own top-k."""
+    from cadenza.actors.sampler import token_logprobs
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    asked = [0, None, 3, 5]
+    rows = [row(temperature=0, logprobs=k) for k in asked]
+    tokens, logprobs = sample(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    for i, k in enumerate(asked):
+        assert logprobs[i] == (None if k is None else token_logprobs(raw[i], tokens[i], k))
