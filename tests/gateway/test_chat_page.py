@@ -116,5 +116,7 @@ def test_chat_page_resumes_after_a_forced_socket_close(server) -> None:
         response_id = page.evaluate("previousId")
         shown = reply.inner_text().removesuffix(reply.locator(".meta").inner_text()).rstrip("\n")
         stored = server.get(f"/v1/responses/{response_id}")
-        assert stored["output"][0]["content"][0]["text"] == shown  # nothing lost, nothing repeated
+        # Nothing lost, nothing repeated. Trailing newlines aside: the page's text drops them,
+        # and a sampled reply may end on some.
+        assert stored["output"][0]["content"][0]["text"].rstrip("\n") == shown
         expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
