@@ -17,9 +17,14 @@ import torch
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.tensor(values, dtype=dtype, device=device), queued rather than waited for."""
+    return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto device: on CUDA through pinned memory, queued; elsewhere as is."""
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def take_rows(x: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

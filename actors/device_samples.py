@@ -41,9 +41,9 @@ class LogprobTensors:
     def tensors(self) -> list[torch.Tensor]:
         return [self.chosen, self.rank, self.top_values, self.top_ids]
 
-    def entries(self, tokens: list[int], host: list[torch.Tensor]) -> list[TokenLogprobs | None]:
-        """The host's entries, from host copies of tensors() in that order."""
-        chosen, rank, values, ids = (t.tolist() for t in host)
+    def entries(self, tokens: list[int], host: list[torch.Tensor] | None = None) -> list[TokenLogprobs | None]:
+        """The host's entries, from host copies of tensors() in that order (default: these)."""
+        chosen, rank, values, ids = (t.tolist() for t in (self.tensors() if host is None else host))
         return [
             None if k is None else TokenLogprobs([t, *ids[i][:k]], [chosen[i], *values[i][:k]], rank[i])
             for i, (t, k) in enumerate(zip(tokens, self.asked, strict=True))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadenza.actors.device_copy import take_rows, to_device
+from cadenza.actors.device_copy import take_rows, to_device, upload
 from cadenza.actors.device_samples import LogprobTensors
 from cadenza.messages import TokenLogprobs
 from cadenza.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     token_list = tokens.tolist()
     if logprobs is None:
         return token_list, [None] * len(rows)
-    return token_list, logprobs.entries(token_list, logprobs.tensors())
+    return token_list, logprobs.entries(token_list)
 
 
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, LogprobTensors | None]:
@@ -159,7 +159,7 @@ def draw(weights: torch.Tensor, rows: list[SamplingRow], salt: str = "") -> torc
         for row, (_, g) in zip(drawn, seeded, strict=True):
             row.exponential_(generator=g)
         at = to_device([i for i, _ in seeded], torch.long, noise.device)
-        noise.index_copy_(0, at, drawn.pin_memory().to(noise.device, non_blocking=True) if noise.is_cuda else drawn)
+        noise.index_copy_(0, at, upload(drawn, noise.device))
     return (weights / noise).argmax(dim=-1)
 
 
@@ -180,12 +180,9 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def token_logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    chosen = raw[token]
-    rank = int((raw > chosen).sum()) + 1
-    top = torch.topk(raw, k) if k else None
-    ids = [token, *(top.indices.tolist() if top is not None else [])]
-    values = [float(chosen), *(top.values.tolist() if top is not None else [])]
-    return TokenLogprobs(token_ids=ids, logprobs=values, rank=rank)
+    """One position's entry (raw: its log-softmax [V]), as a batch of one."""
+    tokens = torch.tensor([token], device=raw.device)
+    return LogprobTensors.of(raw[None], tokens, [k]).entries([token])[0]
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
