@@ -10,16 +10,21 @@
  *   the thread count, not by the context.
  * - Memory access: an item takes every KV head of its keys, so it reads whole token rows
  *   (KH * D floats; a block's rows are contiguous) rather than 256 bytes of every 768; and
- *   each tile of keys is first loaded in one burst (touch_rows in prefill_attention.c).
+ *   an item's first tile of keys is loaded in one burst (touch_rows in prefill_attention.c),
+ *   and each later one is asked for into L2 (prefetcht1) while the tile before it computes.
  * - Scalar loops: scores are 8 keys x 1 head at a time, 8 independent FMA chains finished by
  *   one transpose-add (vf8_sum8); probabilities are an 8-lane exp2; P V keeps up to 64 output
  *   dims in registers across a tile of keys. A KV head's G query heads use its K/V rows
  *   while they are in L1.
- * On this 2-core host (benchmarks/attention_cpu.py, SmolLM2, 6144 tokens, 30 layers' caches
- * cycled) that reads K/V at 12-14 GB/s, against ~2 GB/s before and 23 GB/s for torch.sum over
- * 1 GiB: each thread alternates a tile's burst load with its arithmetic. Prefetching the
- * next tile into L2 while a tile computes measured slower on that host; on a Zen 4 it reads
- * 18% faster (prefetch_rows).
+ * On a 2-core Zen 3 host (benchmarks/attention_cpu.py, SmolLM2, 6144 tokens, 30 layers' caches
+ * cycled) a burst load of every tile read K/V at 12-14 GB/s, against ~2 GB/s before and
+ * 23 GB/s for torch.sum over 1 GiB. On a 2-core Zen 4 (33 GB/s by torch.sum), fp16 caches:
+ * the next tile's prefetches all issued before a tile's arithmetic read at 14.1 -> 16.6 GB/s;
+ * the same prefetches spread out, a few lines after each 8-key step of the scores
+ * (line_cursor), and no burst load of a tile already asked for, cut the kernel's time by
+ * another 11-16% (6144 keys batch 1: 0.328 -> 0.274 ms a layer; 2048 keys batches 1 and 8:
+ * 0.106 -> 0.094 and 0.864 -> 0.723 ms; alternated over 60 rounds in one process). Hot in
+ * cache the same kernel takes ~0.17 ms a layer at 6144 keys: the arithmetic is half of it.
  *
  * fp16 caches (-DCADENZA_KV_F16) halve the bytes a step reads. The products widen K and V
  * as they load them (kv_load8: one F16C conversion a vector). 6144-token decode, SmolLM2,
@@ -113,6 +118,23 @@ static void values_step(const float *p, const kv_t *const *v, int n, int head_di
     }
 }
 
+/* The next tile's cache lines, a few asked for (into L2) between pieces of this tile's
+ * arithmetic, so the memory system is kept busy while the core computes. */
+struct line_cursor {
+    const char *k, *v;
+    const int64_t *rows;
+    int n, j;
+    int64_t b, bytes;
+};
+
+static inline void prefetch_lines(struct line_cursor *c, int lines) {
+    for (; lines > 0 && c->j < c->n; --lines) {
+        const int64_t at = c->rows[c->j] * (int64_t)sizeof(kv_t) + c->b;
+        __builtin_prefetch(c->k + at, 0, 2), __builtin_prefetch(c->v + at, 0, 2);
+        if ((c->b += 64) >= c->bytes) c->b = 0, ++c->j;
+    }
+}
+
 /* Three query heads of one KV head at a time, each K and V load shared by all three (6144-token
  * decode, SmolLM2, 2 threads: fp16 caches 12-16% less time, fp32 4%). Their 24 accumulators
  * need AVX-512's 32 vector registers; with AVX2's 16 they would spill. */
@@ -180,8 +202,11 @@ static void values_step_x3(const float *p, const kv_t *const *v, int n, int head
 
 /* Heads h .. h + 2 over the tile: scores, each head's softmax step, then the shared P V. */
 static void heads3_step(const float *qs, const kv_t *const *k, const kv_t *const *v, int n, int padded,
-                        int head_dim, int h, float *sc, float *m, float *l, float *acc) {
-    for (int j = 0; j < padded; j += 8) scores8x3(qs + h * head_dim, k + j, head_dim, sc + h * DEC_TILE + j);
+                        int head_dim, int h, float *sc, float *m, float *l, float *acc, struct line_cursor *c, int per) {
+    for (int j = 0; j < padded; j += 8) {
+        scores8x3(qs + h * head_dim, k + j, head_dim, sc + h * DEC_TILE + j);
+        prefetch_lines(c, per);
+    }
     float alpha[3];
     for (int g = 0; g < 3; ++g) {
         float *sh = sc + (h + g) * DEC_TILE;
@@ -200,11 +225,13 @@ static size_t decode_scratch_floats(int num_heads, int head_dim) {
 
 /* One tile of n keys (rows[j]: the cache offsets of their token rows) against every head:
  * each KV head's K rows for its G query heads (scores, softmax step), then its V rows. The
- * tile's lines are first loaded in a burst (touch_rows); returns what that load summed. */
-static vf8 decode_tile(const struct decode_shape *s, const float *qs, const int64_t *rows, int n, float *sc,
-                       float *m, float *l, float *acc) {
+ * next tile's n_next rows (next) are asked for into L2 a few lines after each 8-key step. */
+static void decode_tile(const struct decode_shape *s, const float *qs, const int64_t *rows, int n,
+                       const int64_t *next, int n_next, float *sc, float *m, float *l, float *acc) {
     const int padded = (n + 7) / 8 * 8, head_dim = s->head_dim, group = s->group;
-    const vf8 touched = touch_rows(s->k_cache, s->v_cache, rows, n, s->token_stride);
+    const int64_t bytes = s->token_stride * (int64_t)sizeof(kv_t), steps = (int64_t)s->num_kv_heads * (padded / 8);
+    struct line_cursor c = {(const char *)s->k_cache, (const char *)s->v_cache, next, n_next, 0, 0, bytes};
+    const int per = (int)((n_next * ((bytes + 63) / 64) + steps - 1) / steps); /* lines per 8-key step */
     const kv_t *k[DEC_TILE], *v[DEC_TILE];
     for (int kh = 0; kh < s->num_kv_heads; ++kh) {
         for (int j = 0; j < padded; ++j) {
@@ -213,33 +240,24 @@ static vf8 decode_tile(const struct decode_shape *s, const float *qs, const int6
         }
         int h = kh * group;
 #if SHARED_HEADS
-        for (; h + 3 <= (kh + 1) * group && head_dim % 64 == 0; h += 3) heads3_step(qs, k, v, n, padded, head_dim, h, sc, m, l, acc);
+        for (; h + 3 <= (kh + 1) * group && head_dim % 64 == 0; h += 3) heads3_step(qs, k, v, n, padded, head_dim, h, sc, m, l, acc, &c, per);
 #endif
         for (; h < (kh + 1) * group; ++h) {
             float *sh = sc + h * DEC_TILE;
-            for (int j = 0; j < padded; j += 8) scores8(qs + h * head_dim, k + j, head_dim, sh + j);
+            for (int j = 0; j < padded; j += 8) {
+                scores8(qs + h * head_dim, k + j, head_dim, sh + j);
+                if (h == kh * group) prefetch_lines(&c, per);
+            }
             for (int j = n; j < padded; ++j) sh[j] = -INFINITY;
             const float alpha = softmax_step(sh, padded, m + h, l + h);
             values_step(sh, v, n, head_dim, alpha, acc + (size_t)h * head_dim);
         }
     }
-    return touched;
+    prefetch_lines(&c, INT32_MAX); /* what is left (a last, shorter tile's steps ask fewer) */
 }
 
 /* Keys in the tile that starts `remaining` keys before the end: DEC_TILE, or the rest. */
 static inline int tile_keys(int64_t remaining) { return (int)(remaining < DEC_TILE ? remaining : DEC_TILE); }
-
-/* Every cache line of n token rows of K and V (at + rows[j]) asked for into L2 (prefetcht1).
- * Issued for the next tile before this one's arithmetic, so the two overlap: on a Zen 4
- * (6144 and 2048 keys, batches 1 and 8, 2 threads) K/V read at 14.1 -> 16.6 GB/s, the mean
- * of 12 alternated cases; the tile's own burst load (touch_rows) then finds it in L2. */
-static void prefetch_rows(const struct decode_shape *s, const int64_t *rows, int n) {
-    const int64_t bytes = s->token_stride * (int64_t)sizeof(kv_t);
-    for (int j = 0; j < n; ++j) {
-        const char *k = (const char *)(s->k_cache + rows[j]), *v = (const char *)(s->v_cache + rows[j]);
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(k + b, 0, 2), __builtin_prefetch(v + b, 0, 2);
-    }
-}
 
 /* Keys [p0, p1) of row r for every head: state m [H], l [H] and the unnormalised output
  * acc [H][D], which start at (-FLT_MAX, 0, 0). */
@@ -253,15 +271,13 @@ static void decode_range(const struct decode_shape *s, int64_t r, int64_t p0, in
     for (int h = 0; h < num_heads; ++h) m[h] = -FLT_MAX, l[h] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)num_heads * head_dim);
     int64_t tiles[2][DEC_TILE], *rows = tiles[0], *next = tiles[1];
-    vf8 touched = vf8_zero();
     kv_rows(table, s->block_size, p0, tile_keys(p1 - p0), s->token_stride, 0, rows);
+    vf8 touched = touch_rows(s->k_cache, s->v_cache, rows, tile_keys(p1 - p0), s->token_stride);
     for (int64_t pos = p0; pos < p1; pos += DEC_TILE) {
         const int64_t ahead = p1 - pos - DEC_TILE; /* keys after this tile */
-        if (ahead > 0) { /* the next tile's rows, asked for while this one computes */
-            kv_rows(table, s->block_size, pos + DEC_TILE, tile_keys(ahead), s->token_stride, 0, next);
-            prefetch_rows(s, next, tile_keys(ahead));
-        }
-        touched += decode_tile(s, qs, rows, tile_keys(p1 - pos), sc, m, l, acc);
+        const int n_next = ahead > 0 ? tile_keys(ahead) : 0;
+        if (n_next) kv_rows(table, s->block_size, pos + DEC_TILE, n_next, s->token_stride, 0, next);
+        decode_tile(s, qs, rows, tile_keys(p1 - pos), next, n_next, sc, m, l, acc);
         int64_t *done = rows;
         rows = next, next = done;
     }
