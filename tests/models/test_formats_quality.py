@@ -1,7 +1,7 @@
 """Every weight format on the real SmolLM2: perplexity on a fixed public-domain text
 (tests/data/perplexity_text.txt, Emma ch. I), teacher-forced through the engine's own
 prompt-logprobs path, against HF transformers' fp32 and against our fp32; greedy agreement
-with fp32 over 32 prompts x 64 tokens; resident weight bytes against each format's size.
+with fp32 over 16 prompts x 32 tokens; resident weight bytes against each format's size.
 
 The measured values are printed (pytest -s) and quoted in README "Formats"."""
 
@@ -20,7 +20,9 @@ from cadenza.models.loader import DEFAULT_MODEL
 
 TEXT = Path(__file__).parents[1] / "data" / "perplexity_text.txt"
 PPL_TOKENS = 2048
-PROMPTS, PROMPT_TOKENS, STEPS = 32, 16, 64
+# 16 x 32 greedy steps: a broken kernel diverges within a few tokens, and the batch's GEMMs
+# are most of this module's time on a CPU without bf16 hardware.
+PROMPTS, PROMPT_TOKENS, STEPS = 16, 16, 32
 # name -> (LLM keyword arguments, largest perplexity change against fp32, as a fraction)
 FORMATS = {
     "fp32": (dict(dtype="float32", quantization="none"), 0.0),
@@ -118,7 +120,7 @@ def measured(hf_smollm) -> dict[str, dict]:
 
 
 def _agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
-    """Mean share of the 64 steps before the first token that differs from fp32's."""
+    """Mean share of the STEPS steps before the first token that differs from fp32's."""
     shares = []
     for a, b in zip(ours, ref, strict=True):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
