@@ -15,8 +15,6 @@ event, since a bare HTTP refusal of a handshake carries no message a client can 
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -24,7 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cadenza.gateway.drain import Drain
-from cadenza.gateway.json_depth import check_json_depth
+from cadenza.gateway.json_scan import check_json
 from cadenza.gateway.protocol import error_object
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.request_limits import presented_keys
@@ -33,12 +31,6 @@ from cadenza.request_limits import presented_keys
 # browser's first load cannot send a header, so the page takes the key from its address and
 # sends it on the websocket itself. /health is for load balancers and orchestrators.
 PUBLIC_PATHS = frozenset({"/", "/health"})
-# A JSON number without fraction or exponent, 19 digits or more: the only ones that can fall
-# outside 64 bits. msgspec decodes any size into a Python int, which then fails deep in the
-# engine (OverflowError packing a message, a 500) instead of here.
-_LONG_INTEGER = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # int64 and uint64 (a seed may be either)
 
 
 class BodyError(Exception):
@@ -100,8 +92,7 @@ async def read_json(request: Request, kind: type, settings: GatewaySettings) -> 
         raise BodyError(message, 415, "unsupported_media_type")
     raw = await read_body(request, settings.max_request_bytes)
     try:
-        check_json_depth(raw, settings.max_json_depth)
-        check_integers(raw)
+        check_json(raw, settings.max_json_depth)
         return msgspec.json.decode(raw, type=kind)
     except (ValueError, RecursionError) as e:  # DecodeError is a ValueError; RecursionError a belt
         raise BodyError(f"invalid request body: {e}") from None
@@ -120,17 +111,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def check_integers(raw: bytes) -> None:
-    """Raises ValueError for an integer outside int64/uint64 (brackets and digits inside
-    strings are text and are skipped)."""
-    for match in _LONG_INTEGER.finditer(_STRING.sub(b'""', raw)):
-        digits = match.group()
-        # int() of a 5000-digit string is itself refused by Python: length decides first.
-        if len(digits.lstrip(b"-")) > 20 or not _INT_RANGE[0] <= int(digits) <= _INT_RANGE[1]:
-            shown = digits[:24].decode() + ("..." if len(digits) > 24 else "")
-            raise ValueError(f"the integer {shown} does not fit in 64 bits")
 
 
 def _too_large(limit: int) -> BodyError:

@@ -80,7 +80,7 @@ encode = msgspec.json.Encoder().encode
 
 def decode_client_event(frame: str | bytes) -> ClientEvent:
     """Raises ValueError with a message that names the bad field. Check the frame's depth
-    first (json_depth.check_json_depth): msgspec recurses per nesting level."""
+    first (json_scan.check_json): msgspec recurses per nesting level."""
     try:
         return _decoder.decode(frame)
     except RecursionError:  # a belt behind the depth check: this must never end the socket

@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
-from cadenza.gateway.json_depth import check_json_depth
+from cadenza.gateway.json_scan import JsonDepthError, check_json
 from cadenza.gateway.response_run import ResponseRun
 from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id
 from cadenza.request_limits import presented_key
@@ -143,9 +143,10 @@ class ResponsesSocket:
             await self.send(p.error_event(message, "frame_too_large"))
             return
         try:
-            check_json_depth(frame, self.state.settings.max_json_depth)
+            check_json(frame, self.state.settings.max_json_depth)
         except ValueError as e:
-            await self.send(p.error_event(str(e), "json_too_deep"))
+            code = "json_too_deep" if isinstance(e, JsonDepthError) else "invalid_event"
+            await self.send(p.error_event(str(e), code))
             return
         try:
             event = p.decode_client_event(frame)

@@ -13,15 +13,19 @@ their arguments always match the function's schema.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+from cadenza.gateway.json_scan import json_depth, loads_bounded
 
 PARSERS = ("hermes", "llama3", "mistral")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
+# Deepest nesting read from a call's JSON (the model's, or a client's earlier turn): Python's
+# json recurses per level, and past this a call is text rather than a RecursionError.
+MAX_CALL_JSON_DEPTH = 64
 
 
 @dataclass(slots=True)
@@ -84,20 +88,32 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     return _parse_llama3(text)
 
 
-_HERMES = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.DOTALL)
-
-
 def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+    """Finds each `<tool_call>` and the first `</tool_call>` after it with str.find, so the
+    cost is linear in the text whatever the model wrote (a non-greedy pattern between the tags
+    retried from every position of an unclosed call: cubic in a whitespace run)."""
     calls, kept, at = [], [], 0
-    for match in _HERMES.finditer(text):
-        call = _call(match.group(1))
+    for start, end in _hermes_spans(text):
+        call = _call(text[start + len(HERMES_OPEN) : end - len(HERMES_CLOSE)])
         if call is None:
             continue
-        kept.append(text[at : match.start()])
-        at = match.end()
+        kept.append(text[at:start])
+        at = end
         calls.append(call)
     kept.append(text[at:])
     return "".join(kept).strip() if calls else text, calls
+
+
+def _hermes_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each `<tool_call>...</tool_call>`; an open tag with no close ends the search."""
+    spans, at = [], 0
+    while (start := text.find(HERMES_OPEN, at)) >= 0:
+        close = text.find(HERMES_CLOSE, start + len(HERMES_OPEN))
+        if close < 0:
+            break
+        at = close + len(HERMES_CLOSE)
+        spans.append((start, at))
+    return spans
 
 
 def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
@@ -121,6 +137,8 @@ def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
 
 def _split_json_objects(body: str) -> list[str]:
     """`{...}; {...}` into its objects (raw_decode knows where each ends)."""
+    if json_depth(body) > MAX_CALL_JSON_DEPTH:  # raw_decode would recurse past Python's limit
+        return [body]
     decoder, parts, at = json.JSONDecoder(), [], 0
     while at < len(body):
         try:
@@ -149,8 +167,8 @@ def _call_from(item: Any) -> ToolCall | None:
 
 def _json_or_none(raw: str) -> Any:
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
+        return loads_bounded(raw, MAX_CALL_JSON_DEPTH)
+    except ValueError:  # a syntax error, or nesting past MAX_CALL_JSON_DEPTH
         return None
 
 

@@ -13,8 +13,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cadenza.gateway.json_scan import loads_bounded
 from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.tool_calls import (
+    MAX_CALL_JSON_DEPTH,
     StreamParser,
     ToolCall,
     call_as_text,
@@ -134,9 +136,10 @@ def _text(content: Any) -> str:
 def _native_call(c: Any) -> dict[str, Any]:
     """transformers' shape: arguments as an object, as chat templates index into them."""
     try:
-        arguments = json.loads(c.function.arguments or "{}")
-    except json.JSONDecodeError:
-        raise RequestError("tool_calls arguments must be JSON", "invalid_request", "messages") from None
+        arguments = loads_bounded(c.function.arguments or "{}", MAX_CALL_JSON_DEPTH)
+    except ValueError:
+        message = f"tool_calls arguments must be JSON nesting at most {MAX_CALL_JSON_DEPTH} levels"
+        raise RequestError(message, "invalid_request", "messages") from None
     call = {"type": "function", "function": {"name": c.function.name, "arguments": arguments}}
     return {**call, "id": c.id} if c.id else call
 
@@ -176,8 +179,8 @@ def _compiled(schema: Any, strict: bool) -> StructuredOutputs:
 
 def _listed_calls(text: str) -> list[ToolCall]:
     try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
+        items = loads_bounded(text, MAX_CALL_JSON_DEPTH)
+    except ValueError:
         return []  # cut short (max_tokens): no complete call to report
     return [ToolCall(i["name"], json.dumps(i["arguments"], ensure_ascii=False)) for i in items if isinstance(i, dict)]
 
