@@ -2,12 +2,11 @@
 
 Counts responses in flight across the server (running in the engine or queued behind the
 engine's running set) and per client (HTTP and websocket together), and websockets per
-client. A client is its peer address, with its API key when the server checks keys.
+client. A client is its peer address (see Admission.client).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 
 from cadenza.gateway.settings import GatewaySettings
@@ -21,20 +20,17 @@ class Admission:
         self.capacity = settings.max_concurrent_requests + settings.max_queued_requests
         self.max_sockets_per_client = settings.max_sockets_per_client
         self.max_responses_per_client = settings.client_response_quota
-        self.keyed = settings.api_key is not None
         self.in_flight = 0
         self.responses: Counter[str] = Counter()  # client -> responses in flight
         self.sockets: Counter[str] = Counter()
 
-    def client(self, api_key: str | None, address: str | None) -> str:
-        """Whose quota a request counts against: its address, and the digest of its key when the
-        server checks keys. The address stays in: one `--api-key` is usually shared by every
-        user of a frontend, and one of them must not take everyone's places. An unchecked key
-        is ignored (a client could make up a fresh one per request)."""
-        where = f"addr:{address or 'unknown'}"
-        if self.keyed and api_key:
-            return f"key:{hashlib.sha256(api_key.encode()).hexdigest()[:32]}:{where}"
-        return where
+    def client(self, address: str | None) -> str:
+        """Whose quota a request counts against: its peer address (a proxy's X-Forwarded-For
+        counts only from forwarded_allow_ips). A presented key never names a client: on a keyed
+        server every admitted client holds the one key, so it tells no one apart, and a made-up
+        key (sent before the real one, or to a server without keys) would give one process a
+        fresh quota per request or per socket."""
+        return f"addr:{address or 'unknown'}"
 
     def try_acquire(self, client: str) -> bool:
         if self.in_flight >= self.capacity or self.responses[client] >= self.max_responses_per_client:

@@ -31,7 +31,7 @@ from cadenza.gateway.responses_ws import ResponsesSocket
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
 from cadenza.gateway.tracing import Tracing, provider_from_env
-from cadenza.request_limits import key_subprotocol, offered_subprotocols, presented_key, presented_keys
+from cadenza.request_limits import key_subprotocol, offered_subprotocols, presented_keys
 
 
 def build_app(
@@ -108,7 +108,7 @@ def build_app(
 
 async def handle_socket(ws: WebSocket, state: GatewayState, check_host: bool = True) -> None:
     problem = _handshake_problem(ws, state, check_host)
-    client = state.admission.client(presented_key(ws.headers), ws.client.host if ws.client else None)
+    client = state.admission.client(ws.client.host if ws.client else None)
     if problem is None and not state.admission.open_socket(client):
         problem = error_event(f"too many sockets from {client} (max_sockets_per_client)", "too_many_sockets", 429)
         client = None

@@ -63,7 +63,7 @@ class OpenAIHttp:
         except RequestError as e:
             return _refusal(e)
         admission = self.state.admission
-        client = admission.client(presented_key(request.headers), request.client and request.client.host)
+        client = admission.client(request.client and request.client.host)
         if not admission.try_acquire(client):  # before the template and tokenizer run
             retry = str(max(1, RETRY_AFTER_MS // 1000))
             code, message = admission.refusal(client)

@@ -27,7 +27,6 @@ from cadenza.gateway.response_events import ReplayError, ResponseEvents
 from cadenza.gateway.response_run import ResponseRun
 from cadenza.gateway.responses_ws import Job
 from cadenza.gateway.state import GatewayState
-from cadenza.request_limits import presented_key
 
 
 class _LogOnly:
@@ -51,7 +50,7 @@ class ResponsesHttp:
         except BodyError as e:
             return error_response(e.status, str(e), e.code)
         admission = self.state.admission
-        client = admission.client(presented_key(request.headers), request.client and request.client.host)
+        client = admission.client(request.client and request.client.host)
         if not admission.try_acquire(client):
             code, message = admission.refusal(client)
             return error_response(429, message, code, **{"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})

@@ -28,7 +28,6 @@ from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.json_scan import JsonDepthError, check_json
 from cadenza.gateway.response_run import ResponseRun
 from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id
-from cadenza.request_limits import presented_key
 
 log = logging.getLogger(__name__)
 Refusal = tuple[str, str]  # (code, message)
@@ -55,7 +54,7 @@ class ResponsesSocket:
     def __init__(self, ws: WebSocket, state: GatewayState) -> None:
         self.ws = ws
         self.state = state
-        self.client = state.admission.client(presented_key(ws.headers), ws.client and ws.client.host)
+        self.client = state.admission.client(ws.client and ws.client.host)
         self.lanes: dict[str | None, Lane] = {}
         self.active: dict[str, Job] = {}  # response id -> running job
         self.job_tasks: dict[asyncio.Task[None], Job] = {}  # started jobs, from their first moment

@@ -49,6 +49,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, nargs="*", default=[], help="Origins allowed (default: our own)")
         elif f.name == "allowed_hosts":  # type=tuple would split one name into its letters
             p.add_argument(flag, nargs="*", default=[], help="Host names served (default: loopback + --host)")
+        elif f.name == "forwarded_allow_ips":
+            text = "proxy addresses whose X-Forwarded-For is trusted (default: none)"
+            p.add_argument(flag, nargs="*", default=[], help=text)
         elif f.name == "api_key":
             p.add_argument(flag, default=None, help="require `Authorization: Bearer <key>`")
         elif isinstance(default, bool):  # type=bool would read "--flag False" as True
@@ -61,6 +64,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GatewaySettings)}
     values["allowed_origins"] = tuple(values["allowed_origins"])
     values["allowed_hosts"] = tuple(values["allowed_hosts"])
+    values["forwarded_allow_ips"] = tuple(values["forwarded_allow_ips"])
     return GatewaySettings(**values)
 
 
@@ -105,6 +109,9 @@ def uvicorn_config(app: Starlette, settings: GatewaySettings) -> uvicorn.Config:
         # Frames up to 4x the limit reach the app, which answers with an `error` event.
         ws_max_size=4 * settings.max_frame_bytes,
         limit_concurrency=settings.max_connections,
+        # uvicorn trusts X-Forwarded-For from 127.0.0.1 by default: only from named proxies here.
+        proxy_headers=bool(settings.forwarded_allow_ips),
+        forwarded_allow_ips=list(settings.forwarded_allow_ips) or None,
         timeout_keep_alive=settings.idle_timeout_s,
         # After the drain: a connection still open this long is cut rather than waited for.
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,

@@ -37,6 +37,10 @@ class GatewaySettings:
         client cannot take the whole server.
     allowed_hosts: `Host` header values accepted (HTTP and websocket, port optional); empty
         means the loopback names and the bound address (a DNS-rebinding guard).
+    forwarded_allow_ips: proxies whose `X-Forwarded-For` / `X-Forwarded-Proto` name the
+        client (uvicorn's setting of the same name; `*` trusts any peer). Empty, the default:
+        those headers are ignored, since any loopback process could otherwise claim to be any
+        number of clients and every per-client quota would stop binding.
     send_timeout_s: a send to a client that cannot complete in this time cancels that
         response and frees its place (a stalled reader holds nothing for long).
     idle_timeout_s: an HTTP keep-alive connection with no request for this long is closed.
@@ -80,6 +84,7 @@ class GatewaySettings:
     max_sockets_per_client: int = 64
     max_responses_per_client: int = 64
     allowed_hosts: tuple[str, ...] = ()
+    forwarded_allow_ips: tuple[str, ...] = ()
     send_timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
     header_timeout_s: float = 10.0
