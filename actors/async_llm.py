@@ -39,16 +39,30 @@ SHUTDOWN_TIMEOUT_S = 30.0
 
 class AsyncLLM(StreamingClient):
     """Engine arguments are EngineConfig's (including tensor_parallel_size,
-    pipeline_parallel_size, num_cpus_per_worker, num_gpus_per_worker)."""
+    pipeline_parallel_size, num_cpus_per_worker, num_gpus_per_worker).
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", seed: int = 0, **engine_args: Any) -> None:
+    ray_address: the Ray cluster to run the engine in ("host:port" of its GCS, "auto" for the
+    one `ray start` began on this host, "ray://host:port"); None: $RAY_ADDRESS, else a private
+    instance on loopback, started here (even when another Ray instance runs on this host). A
+    cluster named but not answering is a ConnectionError within seconds. A process that
+    already called ray.init (the test suite, a Ray Serve replica) keeps its Ray and
+    ray_address is not read (actors/local_ray.ensure_ray). `ray_instance` says which it was."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "auto",
+        seed: int = 0,
+        ray_address: str | None = None,
+        **engine_args: Any,
+    ) -> None:
         super().__init__()
         config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
         path, self.model_config = read_model(model)
         check_tp(self.model_config, config.tensor_parallel_size)
         stage_layers(self.model_config.num_layers, config.pipeline_parallel_size, 0)
         self.tokenizer = load_tokenizer(path, self.model_config)
-        ensure_ray(config.world_size)
+        self.ray_instance = ensure_ray(config.world_size, ray_address)
         # The workers (or the local engine actor) take the GPUs, not this process: the cluster's count.
         self.config = config.placed(int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")
         codec.register()

@@ -84,6 +84,8 @@ class EngineCore:
             config.enable_prefix_caching,
             config.session_pin_ttl_s,
             config.max_pinned_fraction,
+            config.max_pinned_sessions,
+            config.max_pinned_sessions_per_tenant,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -93,6 +95,7 @@ class EngineCore:
             config.speculative_config,
             config.request_timeout_s,
             config.schedules_ahead,
+            config.priority_aging_s,
         )
         self.limits = config.request_limits(model_config.vocab_size, max_model_len)
         self.runner = runner

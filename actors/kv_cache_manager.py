@@ -25,9 +25,15 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         session_pin_ttl_s: float = 0.0,
         max_pinned_fraction: float = 0.0,
+        max_pinned_sessions: int = 8192,
+        max_pinned_sessions_per_tenant: int = 1024,
     ) -> None:
         self.pool = pool
-        self.pins = SessionPins(pool, int(max_pinned_fraction * pool.num_blocks), session_pin_ttl_s)
+        max_blocks = int(max_pinned_fraction * pool.num_blocks)
+        self.pins = SessionPins(
+            pool, max_blocks, session_pin_ttl_s, max_sessions=max_pinned_sessions,
+            max_sessions_per_tenant=max_pinned_sessions_per_tenant,
+        )  # fmt: skip
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks: dict[str, list[KVBlock]] = {}
@@ -94,10 +100,12 @@ class KVCacheManager:
         self.num_published[req.request_id] = full
 
     def pin_session(self, req: Request) -> None:
-        """A finished turn of a conversation: its cached blocks stay for the next turn."""
+        """A finished turn of a conversation: its cached blocks stay for the next turn. The
+        session is its tenant's (the cache salt): another tenant naming the same session id
+        pins its own blocks and can never replace these."""
         if req.session_id is not None and self.enable_prefix_caching:
             published = self.num_published.get(req.request_id, 0)
-            self.pins.pin(req.session_id, self.blocks.get(req.request_id, [])[:published])
+            self.pins.pin(req.session_id, self.blocks.get(req.request_id, [])[:published], req.cache_salt)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so a prefix outlives its own suffix in the cache."""

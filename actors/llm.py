@@ -98,6 +98,8 @@ class LLM:
         return list(sp)
 
     def _add(self, prompt: Prompt, params: SamplingParams, priority: int, session: str | None = None) -> PendingRequest:
+        if params.structured_outputs is not None:  # a grammar that cannot compile: refused here
+            params.structured_outputs.check()
         text, ids = tokenize(self.tokenizer, prompt)
         rid = str(self._next_id)
         self._next_id += 1

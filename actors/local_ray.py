@@ -1,8 +1,10 @@
-"""Where the actor runtime's Ray comes from: the running cluster when there is one, else a
-private local instance that listens on loopback only.
+"""Where the actor runtime's Ray comes from: the cluster the user names (`--ray-address`,
+$RAY_ADDRESS, `AsyncLLM(ray_address=...)`), else a private local instance of this process
+that listens on loopback only; a process that already holds Ray keeps it.
 
 `cadenza serve`, `AsyncLLM` and the test suite all start Ray through here, so no Ray port
-(GCS, raylet, workers, agents, metrics) is reachable from the network unless the user asks.
+(GCS, raylet, workers, agents, metrics) is reachable from the network unless the user asks,
+and a server never lands in another application's cluster because it happened to be there.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +20,15 @@ import ray
 
 LOOPBACK = "127.0.0.1"
 NODE_IP_ENV = "CADENZA_RAY_NODE_IP"
+ADDRESS_ENV = "RAY_ADDRESS"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+# ray.init's own word for "start a new instance": naming it is the same as naming nothing.
+PRIVATE_ADDRESS = "local"
+# How long a named cluster has to answer, per check (TCP connect, then one GCS call). Why
+# check at all: ray.init on an address where no GCS answers retries rather than fails,
+# measured here (Ray 2.60, refused port): 12 s per attempt (5 s connect + 5 s pubsub + 2 s),
+# still waiting when killed after 200 s.
+PROBE_TIMEOUT_S = 3.0
 # The object store of a private local instance. Ray's default is 30% of the machine's memory
 # (tens of GB on a server), while Cadenza sends it little: requests and outputs travel as
 # msgpack in actor calls, weights are read from disk by each worker, and a Compiled Graph's
@@ -117,35 +129,116 @@ def _init_keeping_node_ip(options: dict[str, Any], loopback: bool) -> None:
         ray.init(**options)
 
 
-def join_ray(**init_kwargs: Any) -> None:
-    """Join the running cluster (RAY_ADDRESS, or one started on this machine). A cluster that
-    listens on loopback (one init_local_ray started) is joined as node 127.0.0.1: Ray would
-    otherwise rewrite its address, and the driver's, to the host's routable one, where nothing
-    listens, and wait until it times out. Raises ConnectionError when there is none."""
+def named_ray_address(address: str | None = None) -> str | None:
+    """The cluster to join: `address` (--ray-address, AsyncLLM's ray_address), else
+    $RAY_ADDRESS; None when neither names one ("" and "local" name none), which means a
+    private instance. Never a cluster merely found on this host: that takes "auto"."""
+    named = address or os.environ.get(ADDRESS_ENV) or None
+    return None if named == PRIVATE_ADDRESS else named
+
+
+def ensure_ray(min_cpus: int, address: str | None = None) -> str:
+    """Ray for this process, and where it is, in words (for a log line):
+    - already initialised here (the test suite's one shared instance, a Ray Serve replica, a
+      script's own ray.init): used as it is, whatever `address` says;
+    - a cluster named by `address` or $RAY_ADDRESS (see named_ray_address): joined, once
+      probe_gcs has heard its GCS answer; else ConnectionError naming it, within seconds;
+    - else a new private instance (init_local_ray) with at least one logical CPU per worker,
+      even when another Ray instance runs on this host."""
+    if ray.is_initialized():
+        return f"the Ray instance this process holds (GCS {_gcs_address()})"
+    named = named_ray_address(address)
+    if named is None:
+        init_local_ray(max(os.cpu_count() or 1, min_cpus), logging_level="warning")
+        return f"a private Ray instance (GCS {_gcs_address()})"
+    join_ray(named, logging_level="warning")
+    return f"the Ray cluster at {named} (GCS {_gcs_address()})"
+
+
+def join_ray(address: str, **init_kwargs: Any) -> None:
+    """Join the cluster at `address`: "host:port" of its GCS, "auto" (the one `ray start` began
+    on this host) or "ray://host:port" (Ray Client). Raises ConnectionError, naming it, when
+    nothing is found there or its GCS does not answer in PROBE_TIMEOUT_S, rather than waiting
+    in ray.init. A cluster that listens on loopback (one init_local_ray started) is joined as
+    node 127.0.0.1: Ray would otherwise rewrite its address, and the driver's, to the host's
+    routable one, where nothing listens, and wait until it times out."""
     from ray._common.network_utils import is_localhost
     from ray._private import services
 
+    if address.startswith("ray://"):
+        _reachable(address, address.removeprefix("ray://"))
+        ray.init(address=address, **init_kwargs)
+        return
+    if address == "auto":  # as ray.init's "auto": the token of this host's cluster, if one is saved
+        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     with _loopback_kept():
-        address = services.canonicalize_bootstrap_address("auto") or "auto"
-    loopback = is_localhost(address.rsplit(":", 1)[0])
-    options: dict[str, Any] = {"address": address, **init_kwargs}
+        try:
+            gcs = services.canonicalize_bootstrap_address(address)
+        except ConnectionError as e:  # "auto" and no cluster on this host
+            raise ConnectionError(f"no Ray cluster found for address {address!r}: {e}") from None
+    probe_gcs(gcs, named=address)
+    loopback = is_localhost(gcs.rsplit(":", 1)[0].strip("[]"))
+    options: dict[str, Any] = {"address": gcs, **init_kwargs}
     if loopback:
         options["_node_ip_address"] = LOOPBACK
     _init_keeping_node_ip(options, loopback)
 
 
-def ensure_ray(min_cpus: int) -> None:
-    """Join the running Ray cluster if there is one (RAY_ADDRESS or a local `ray start`),
-    else start a local instance, listening on loopback only, with at least one logical CPU
-    per worker."""
-    if ray.is_initialized():
-        return
+def probe_gcs(gcs: str, named: str | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Raises ConnectionError, naming the address, unless a Ray GCS answers at `gcs`
+    ("host:port"): its port accepts a connection and it tells its cluster id, each within
+    timeout_s. A GCS that wants a token (Ray 2.60 gives every new local instance one) answers
+    too: joined with RAY_AUTH_MODE=token, else an error that says so. Ray itself sends the
+    token only to a cluster it found ("auto"), never to an address named; without one its
+    ray.init retries for ~20 s before failing."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    shown = gcs if named in (None, gcs) else f"{named} ({gcs})"
+    _reachable(shown, gcs, timeout_s)
+    with grpc.insecure_channel(gcs) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                _check_token_mode(shown)
+                return
+            raise ConnectionError(
+                f"no Ray GCS answers at {shown}: the port accepts connections, but asked for its cluster "
+                f"id it gave {e.code().name} (in {timeout_s:g} s); is this a Ray cluster's GCS address?"
+            ) from None
+
+
+def _check_token_mode(shown: str) -> None:
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
+        raise ConnectionError(
+            f"the Ray cluster at {shown} requires token authentication: set {AUTH_MODE_ENV}=token "
+            "(the token comes from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        )
+
+
+def _reachable(shown: str, host_port: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """A TCP connection to host_port opens within timeout_s, else ConnectionError naming `shown`."""
+    from ray._common.network_utils import parse_address
+
+    parsed = parse_address(host_port)
+    if parsed is None:
+        raise ConnectionError(f"Ray address {shown!r} is not host:port")
     try:
-        join_ray(logging_level="warning")
-    except ConnectionError:
-        if os.environ.get("RAY_ADDRESS"):  # a cluster was asked for: not a private one instead
-            raise
-        init_local_ray(max(os.cpu_count() or 1, min_cpus), logging_level="warning")
+        socket.create_connection((parsed[0], int(parsed[1])), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        reason = f"no answer in {timeout_s:g} s" if isinstance(e, TimeoutError) else getattr(e, "strerror", None) or e
+        raise ConnectionError(
+            f"no Ray cluster answers at {shown}: {reason}; name a running cluster, or none "
+            f"(no --ray-address, no ${ADDRESS_ENV}) for a private instance"
+        ) from None
+
+
+def _gcs_address() -> str:
+    return ray.get_runtime_context().gcs_address
 
 
 def unnice_worker() -> None:

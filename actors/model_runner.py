@@ -7,7 +7,6 @@ import math
 import mmap
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +14,8 @@ import torch
 from cadenza.actors.cuda_graphs import DecodeGraphs, GraphSettings, capture_sizes
 from cadenza.actors.device_copy import take_rows, to_device
 from cadenza.actors.device_samples import DeviceSamples, PendingOutput, fed_ids
-from cadenza.actors.grammar_matchers import GrammarError, GrammarMatchers, GrammarQuery
+from cadenza.actors.grammar_matchers import GrammarError, GrammarMasks, GrammarMatchers, GrammarQuery, StepMasks
+from cadenza.actors.logit_edits import LogitEdits
 from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.request import ends_on_token
 from cadenza.actors.sampler import SamplingRow, prompt_logprobs, sample, sample_on_device
@@ -28,7 +28,6 @@ from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.sampling_params import SamplingParams
 
-GrammarMasks = dict[str, list[torch.Tensor] | GrammarError]
 # Stands in for a pending token in a batch's host-built input ids until fed_ids writes it.
 PLACEHOLDER_ID = 0
 
@@ -47,6 +46,7 @@ class RunnerRequest:
     # Scheduling ahead: the last sampled token is known only on the device so far (the
     # runner's previous DeviceSamples); it follows token_ids, and a step feeds it from there.
     pending: bool = False
+    edits: LogitEdits | None = None  # logit_bias, allowed_token_ids, bad_words: made once, on arrival
 
     @property
     def output_ids(self) -> list[int]:
@@ -72,6 +72,7 @@ class RunnerRequest:
             new.sampling_params,
             list(new.block_ids),
             new.num_computed_tokens,
+            edits=LogitEdits.of(new.sampling_params) if new.sampling_params.edits_logits else None,
         )
 
 
@@ -121,6 +122,9 @@ class ModelRunner:
     samples_ahead (async scheduling, one runner that is the whole model): the scheduler plans
     step N + 1 before it has step N's tokens, so the runner appends its own samples, and stops
     computing a request its own token ended, or whose step failed, until the scheduler drops it.
+
+    grammar_mask_timeout_s: the most a step waits, after its forward pass, for its grammar masks
+    (None: as long as they take); a request whose mask is late fails alone.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class ModelRunner:
         graphs: GraphSettings | None = None,
         link: StageLink | None = None,
         samples_ahead: bool = False,
+        grammar_mask_timeout_s: float | None = None,
     ) -> None:
         if samples_ahead and not (is_driver and link is None and proposer is None):
             raise ValueError("a runner samples ahead only as the whole model's one rank, without speculation")
@@ -157,8 +162,10 @@ class ModelRunner:
         self._samples: DeviceSamples | None = None  # ahead: this step's, once sampled
         self.proposer = proposer  # speculative decoding, on the driver only
         # Structured outputs: the driver samples, so it alone follows the grammars.
-        self.grammar = GrammarMatchers(tokenizer, eos_token_ids) if is_driver else None
-        self._masks: Future | GrammarMasks = {}
+        self.grammar = (
+            GrammarMatchers(tokenizer, eos_token_ids, mask_timeout_s=grammar_mask_timeout_s) if is_driver else None
+        )
+        self._masks: StepMasks | GrammarMasks = {}
         self._forwarded = 0.0
         self._received: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's, from the stage before
 
@@ -188,7 +195,7 @@ class ModelRunner:
             self._stopped.update(scheduled if self.samples_ahead else ())  # steps ahead skip them
             raise
         finally:
-            self._grammar_masks()  # joined even on failure: the matchers are not thread-safe
+            self._grammar_masks()  # joined even on failure: a matcher is used by one thread at a time
             self._settle()  # the previous step's samples, whatever became of this one
         if self.proposer is not None and isinstance(result, ModelRunnerOutput):
             result.draft_token_ids = self.proposer.propose(self._proposal_inputs(batch, result, so.num_spec_tokens))
@@ -319,7 +326,7 @@ class ModelRunner:
         out.prompt_logprobs = self._prompt_logprobs(hidden, batch, out.failed)
         return out
 
-    def _start_masks(self, batch: Batch) -> Future | GrammarMasks:
+    def _start_masks(self, batch: Batch) -> StepMasks | GrammarMasks:
         if self.grammar is None:
             return {}
         # Only requests with a grammar: the others pay nothing (not even the output slice).
@@ -331,8 +338,10 @@ class ModelRunner:
         return self.grammar.start(queries)
 
     def _grammar_masks(self) -> GrammarMasks:
-        if isinstance(self._masks, Future):
-            self._masks = self._masks.result()
+        """Joined once a step, within the grammar_mask_timeout_s: a mask not ready by then fails
+        its own request (GrammarError), never the step."""
+        if isinstance(self._masks, StepMasks):
+            self._masks = self.grammar.join(self._masks)  # type: ignore[union-attr]
         return self._masks
 
     def _drop(self, rid: str) -> None:
@@ -475,7 +484,7 @@ class ModelRunner:
     ) -> SamplingRow:
         outputs = req.output_ids + (new_tokens or [])
         prompt = req.token_ids[: req.num_prompt_tokens]
-        return SamplingRow(req.params, prompt, outputs, self._stop_ids(req.params), mask)
+        return SamplingRow(req.params, prompt, outputs, self._stop_ids(req.params), mask, req.edits)
 
     @staticmethod
     def _record(

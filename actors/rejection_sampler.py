@@ -36,7 +36,8 @@ class SpecRow:
 def at_position(base: SamplingRow, drafts: list[int], grammar_mask: torch.Tensor | None = None) -> SamplingRow:
     """The sampling state after `drafts` were accepted: penalties, min_tokens and the seeded
     stream all see the drafts as outputs."""
-    return SamplingRow(base.params, base.prompt_ids, base.output_ids + drafts, base.stop_ids, grammar_mask)
+    outputs = base.output_ids + drafts
+    return SamplingRow(base.params, base.prompt_ids, outputs, base.stop_ids, grammar_mask, base.edits)
 
 
 def verify(logits: torch.Tensor, rows: list[SpecRow]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:

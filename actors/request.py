@@ -26,6 +26,7 @@ class Request:
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.params: SamplingParams = req.sampling_params
         self.priority = req.priority
+        self.rank: float = req.priority  # the queues' order: the priority, aged (aged_rank)
         self.arrival_time = req.arrival_time or time.time()
         self.arrival_seq = arrival_seq  # ties broken by admission order
         self.cache_salt = req.cache_salt
@@ -77,9 +78,9 @@ class Request:
         return self.params.max_tokens or 1 << 62
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Lower runs first: (priority, arrival). FCFS requests all carry priority 0."""
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[float, int]:
+        """Lower runs first: (rank, arrival). FCFS requests all carry priority 0."""
+        return (self.rank, self.arrival_seq)
 
     @property
     def is_finished(self) -> bool:
@@ -98,6 +99,17 @@ class Request:
     def _finish(self, reason: str, stop_reason: int | str | None) -> bool:
         self.finish_reason, self.stop_reason = reason, stop_reason
         return True
+
+
+def aged_rank(priority: int, enqueued_at: float, aging_s: float) -> float:
+    """A request's place in the queues when its priority improves by one level per aging_s
+    seconds waited (0: never; the rank is the priority). At time t its aged priority is
+    priority - (t - enqueued_at) / aging_s; every waiting request ages at the same rate, so
+    ordering by priority * aging_s + enqueued_at is the aged order at every t: a rank fixed
+    once keeps both queues sorted, and a preempted request keeps the age it had earned.
+    NOTE: the bound this buys: no request enqueued more than (priority - p) * aging_s after
+    it, at priority p, goes ahead of it, so with priorities bounded it is admitted."""
+    return priority * aging_s + enqueued_at if aging_s else priority
 
 
 def ends_on_token(token: int, num_output: int, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> bool:

@@ -50,5 +50,5 @@ def build_runner(
     )
     return ModelRunner(
         model, num_blocks, config.block_size, eos, is_driver, proposer, loaded.tokenizer, graphs, link,
-        samples_ahead=config.schedules_ahead,
+        samples_ahead=config.schedules_ahead, grammar_mask_timeout_s=config.grammar_mask_timeout_s,
     )  # fmt: skip

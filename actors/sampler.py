@@ -14,6 +14,7 @@ import torch
 
 from cadenza.actors.device_copy import take_rows, to_device, upload
 from cadenza.actors.device_samples import LogprobTensors
+from cadenza.actors.logit_edits import LogitEdits
 from cadenza.messages import TokenLogprobs
 from cadenza.sampling_params import SamplingParams
 
@@ -29,6 +30,13 @@ class SamplingRow:
     # The grammar's allowed tokens at this position (bool [V']; V' may fall short of the
     # logits' padded vocabulary, whose tail is then banned); None: unconstrained.
     grammar_mask: torch.Tensor | None = None
+    edits: LogitEdits | None = None  # the request's, made once (made here for a row built without)
+
+    @property
+    def logit_edits(self) -> LogitEdits:
+        if self.edits is None:
+            self.edits = LogitEdits.of(self.params)
+        return self.edits
 
     def generator(self, salt: str = "") -> torch.Generator | None:
         """Seeded requests draw from a stream keyed by (seed, position): the same tokens alone,
@@ -92,32 +100,14 @@ def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
-        row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device))
-    banned = _bad_word_ends(p.bad_words_token_ids, r.output_ids)
-    if banned:
-        row[banned] = float("-inf")
-    if p.allowed_token_ids is not None:
-        allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
-        kept = row[allowed].clone()
-        row.fill_(float("-inf"))
-        row[allowed] = kept
+    if p.logit_bias or p.bad_words_token_ids or p.allowed_token_ids is not None:
+        r.logit_edits.apply(row, r.output_ids)
     if r.grammar_mask is not None:
         _apply_grammar(row, r.grammar_mask)
     if len(r.output_ids) < p.min_tokens and r.stop_ids:
         row[list(r.stop_ids)] = float("-inf")
     if (p.allowed_token_ids is not None or r.grammar_mask is not None) and not bool(torch.isfinite(row).any()):
         raise ValueError("no token can be sampled: min_tokens, allowed_token_ids and the grammar leave none")
-
-
-def _bad_word_ends(words: list[list[int]], outputs: list[int]) -> list[int]:
-    """The tokens that would complete a bad word here."""
-    return [
-        w[-1]
-        for w in words
-        if len(w) == 1 or (len(outputs) >= len(w) - 1 and outputs[len(outputs) - len(w) + 1 :] == w[:-1])
-    ]
 
 
 def _apply_grammar(row: torch.Tensor, allowed: torch.Tensor) -> None:

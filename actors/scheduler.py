@@ -1,5 +1,6 @@
 """Continuous-batching scheduler: a token budget per step, running requests first, then
 waiting ones in (priority, arrival) order, prompts chunked to fit, preemption by recompute.
+Priorities age (priority_aging_s, request.aged_rank): urgent work never starves the rest.
 
 With schedule_ahead (async scheduling) the next step is planned before the last one's
 outputs are back: a request's steps in flight are counted as computed (Request.in_flight),
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 
 from cadenza.actors.kv_cache_manager import KVCacheManager
-from cadenza.actors.request import Request, RequestStatus
+from cadenza.actors.request import Request, RequestStatus, aged_rank
 from cadenza.config import SpeculativeConfig
 from cadenza.messages import (
     CachedRequestData,
@@ -34,10 +36,14 @@ class Scheduler:
         spec: SpeculativeConfig | None = None,
         request_timeout_s: float | None = None,
         schedule_ahead: bool = False,
+        priority_aging_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if schedule_ahead and spec is not None:
             raise ValueError("scheduling ahead cannot speculate: a step's drafts come from its outputs")
         self.schedule_ahead = schedule_ahead
+        self.priority_aging_s = priority_aging_s
+        self.clock = clock  # when requests were queued, for aging (tests step their own)
         self.kv = kv
         self.request_timeout_s = request_timeout_s
         self.spec = spec
@@ -58,6 +64,7 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        req.rank = aged_rank(req.priority, self.clock(), self.priority_aging_s)
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
     def has_unfinished(self) -> bool:

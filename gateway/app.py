@@ -6,6 +6,8 @@ The same app is what `cadenza serve` runs on uvicorn and what Ray Serve will mou
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import os
 from importlib.resources import files
@@ -34,6 +36,22 @@ from cadenza.gateway.tracing import Tracing, provider_from_env
 from cadenza.request_limits import key_subprotocol, offered_subprotocols, presented_keys
 
 
+def page_policy(page: str) -> str:
+    """The chat page's Content-Security-Policy: its own inline script and style (by hash, so an
+    injected one never runs), connections to its own origin (HTTP and websocket), nothing else;
+    no framing, no forms posting elsewhere, no <base> rewriting."""
+    hashes = {tag: _inline_hash(page, tag) for tag in ("script", "style")}
+    return (
+        f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+
+
+def _inline_hash(page: str, tag: str) -> str:
+    body = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
+    return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+
+
 def build_app(
     engine: EngineClient,
     model_name: str,
@@ -52,7 +70,12 @@ def build_app(
     # The page is public (see http_guard.PUBLIC_PATHS): with a key set it names no model either;
     # it learns the name from its first response. No Referer can carry a key from its address.
     page = page.replace("{{MODEL}}", "" if settings.api_key else html.escape(model_name))
-    page_headers = {"Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY"}
+    page_headers = {
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        "Content-Security-Policy": page_policy(page),
+        "X-Content-Type-Options": "nosniff",
+    }
 
     async def index(request: Request) -> Response:
         return HTMLResponse(page, headers=page_headers)

@@ -6,11 +6,20 @@ opening a connection and sending nothing) holds its connection, and one of the
 limit_concurrency places, forever. Here a timer is armed whenever the connection is ready for
 a request head (opened, or a response done with nothing pipelined) and disarmed once the
 head is parsed; when it fires, the connection is closed.
+
+The same protocols offer each request's app a way to drop its connection at once (a reset):
+`scope["state"][ABORT_CONNECTION]`. A stream that cuts off a client that stopped reading
+(send_deadline.py) needs it: uvicorn closes a connection whose response was left incomplete
+with `transport.close()`, which waits for the unsent bytes to drain, and to a client that
+does not read they never do (the connection, and its limit_concurrency place, stayed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from typing import Any
 
 import h11
@@ -21,6 +30,8 @@ try:
 except ImportError:  # httptools is optional (uvicorn[standard]); h11 is always there
     HttpToolsProtocol = None
 
+ABORT_CONNECTION = "cadenza.abort_connection"  # in scope["state"]: drops this request's connection
+
 
 class _HeadDeadline:
     """Mixin over a uvicorn HTTP protocol (which provides loop, transport, connection_made...)."""
@@ -30,11 +41,23 @@ class _HeadDeadline:
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
+        # uvicorn copies app_state into every request's scope["state"] on this connection.
+        self.app_state = {**self.app_state, ABORT_CONNECTION: self.reset_connection}
         self.arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm_head_timer()
         super().connection_lost(exc)
+
+    def reset_connection(self) -> None:
+        """Drops the connection at once, with a reset: its unsent bytes are discarded rather than
+        left to the kernel, which would go on offering them to a client that does not read (an
+        orphaned socket holding its send buffer, up to 4 MiB, for minutes)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def on_response_complete(self) -> None:
         # Armed before uvicorn's own handler, which may already parse a buffered next head

@@ -2,7 +2,8 @@
 
 Same engine, API key, limits and error shape as the websocket. Over capacity is a 429
 with Retry-After before any work starts; a client that disconnects mid-stream has its
-request aborted (the SSE generator is closed, which closes the engine stream).
+request aborted (the SSE generator is closed, which closes the engine stream), and so has
+one that stops reading, once a send waits past send_timeout_s (send_deadline.SseStream).
 """
 
 from __future__ import annotations
@@ -12,26 +13,27 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.grammar_budget import GrammarPlace
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.logprob_entries import LogprobEntries, completion_logprobs
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cadenza.gateway.response_format import combined, requested_grammar
 from cadenza.gateway.scheduling import request_priority
+from cadenza.gateway.send_deadline import SseStream
 from cadenza.gateway.state import GatewayState, RequestError, new_id, tenant_salt
 from cadenza.gateway.stream_tally import StreamTally
 from cadenza.outputs import RequestOutput
-from cadenza.request_limits import presented_key
+from cadenza.request_limits import RequestLimits, check_bad_word_count, presented_key
 
 Body = ChatCompletionRequest | CompletionRequest
 log = logging.getLogger(__name__)
@@ -57,31 +59,34 @@ class OpenAIHttp:
         except BodyError as e:
             return error_response(e.status, str(e), e.code)
         try:
-            priority = request_priority(
-                body.priority, body.service_tier, request.headers, self.state.settings.batch_priority
-            )
+            priority = request_priority(body.priority, body.service_tier, request.headers, self.state.settings)
         except RequestError as e:
             return _refusal(e)
         admission = self.state.admission
         client = admission.client(request.client and request.client.host)
-        if not admission.try_acquire(client):  # before the template and tokenizer run
-            retry = str(max(1, RETRY_AFTER_MS // 1000))
-            code, message = admission.refusal(client)
-            return error_response(429, message, code, **{"Retry-After": retry})
+        refused = admission.admit(client, body.stream)  # before the template and tokenizer run
+        if refused is not None:
+            code, message = refused
+            return error_response(429, message, code, **{"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})
+        prepared = False
         try:  # templates and tokenizers are CPU work: off the event loop every socket shares
             prompt_ids, params, tools = await asyncio.to_thread(self._prepare, body, chat)
+            grammar = await self.state.grammars.admit(client, params)  # compiled in a thread, in budget
+            prepared = True
         except Exception as e:
-            admission.release(client)
             return _refusal(e)
+        finally:  # a failure, or a cancel: under Serve a client that leaves cancels this task, here
+            if not prepared:
+                admission.give_back(client, body.stream)
         run = _Run(self.state, body, chat, prompt_ids, params)
         run.tools, run.priority = tools, priority
-        run.client = client
+        run.client, run.grammar = client, grammar
         run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
         operation = "chat" if chat else "text_completion"
         run.tally = StreamTally(Observation(self.state.metrics, self.state.tracing, operation, request.headers, params))
         headers = _ignored_header(body)
         if body.stream:
-            return ReleasingStream(run.sse(), run.release, headers)
+            return SseStream(run.sse(), self.state.settings.send_timeout_s, run.close_stream, headers)
         try:
             return JSONResponse(await run.whole(), headers=headers)
         except (RequestFailedError, EngineDeadError) as e:
@@ -94,6 +99,7 @@ class OpenAIHttp:
     def _prepare(self, body: Body, chat: bool) -> tuple[list[int], Any, tool_choice.ToolPlan | None]:
         state = self.state
         state.check_model(body.model)
+        state.check_session_key(body.prompt_cache_key)
         tokenizer = state.tokenizer
         tools = None
         if chat:
@@ -109,7 +115,7 @@ class OpenAIHttp:
         default = state.settings.default_max_output_tokens if chat else 16
         max_tokens = state.max_tokens(len(prompt_ids), body.requested_max_tokens, default, (prompt, "max_tokens"))
         params = body.sampling_params(max_tokens, body.num_logprobs, _grammar(body, tools))
-        params.bad_words_token_ids = _bad_word_ids(tokenizer, body.bad_words)
+        params.bad_words_token_ids = _bad_word_ids(tokenizer, body.bad_words, state.engine.request_limits)
         if tools is not None and tools.mode == "auto" and tools.parser != "hermes":
             params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens
         state.check(params, prompt_ids, prompt)  # an empty prompt included
@@ -125,16 +131,22 @@ class OpenAIHttp:
         tools, shown = tool_choice.plan(body, state.tool_parser)
         messages, variables = tool_choice.messages(body, shown, tokenizer.chat_template)
         variables = {**variables, **(body.chat_template_kwargs or {})}
-        text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, variables)
+        # Special-token text in a message's content stays text (no spoofed turns).
+        chat = tokenizer.render_chat(messages, body.add_generation_prompt, variables)
         if body.continue_final_message:
-            text = _continued(text, messages)
-        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens), tools
+            chat = _continued(chat, messages)
+        return tokenizer.encode_chat(chat, add_special_tokens=body.add_special_tokens), tools
 
 
-def _bad_word_ids(tokenizer: Any, words: list[str] | None) -> list[list[int]]:
-    """vLLM's rule: each word as it would start the text and after a space."""
+def _bad_word_ids(tokenizer: Any, words: list[str] | None, limits: RequestLimits) -> list[list[int]]:
+    """vLLM's rule: each word as it would start the text and after a space. Counted before
+    any is tokenized (their tokens are counted by state.check)."""
     if any(not w for w in words or []):
         raise RequestError("bad_words must not be empty strings", "invalid_request", "bad_words")
+    try:
+        check_bad_word_count(len(words or []), limits)
+    except ValueError as e:
+        raise RequestError(str(e), "invalid_request", "bad_words") from None
     variants = {
         tuple(tokenizer.encode(v, add_special_tokens=False)) for w in words or [] for v in (w, " " + w.lstrip())
     }
@@ -149,41 +161,24 @@ def _refusal(error: Exception) -> Response:
     """The answer to a request that could not be prepared: its own content is the cause (a
     template that raises on it included), so a 4xx with the reason, never a 500."""
     if isinstance(error, RequestError):
-        status = 404 if error.code == "model_not_found" else 400
-        return error_response(status, str(error), error.code, error.param)
+        status = 404 if error.code == "model_not_found" else error.status
+        retry = {"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))} if status == 429 else {}
+        return error_response(status, str(error), error.code, error.param, **retry)
     if not isinstance(error, ValueError):
         log.warning("preparing a request failed: %s: %s", type(error).__name__, error)
     return error_response(400, f"the request could not be prepared: {error}", "invalid_request")
 
 
-class ReleasingStream(StreamingResponse):
-    """An SSE response that gives its admission place back however it ends. The generator's
-    own `finally` is not enough: a client that disconnects before the first chunk can get the
-    response cancelled before the generator ever starts, and a never-started generator runs
-    no `finally`, which leaked the place for good."""
-
-    def __init__(
-        self, content: AsyncIterator[str], release: Callable[[], None], headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.release()
-
-
-def _continued(text: str, messages: list[dict[str, str]]) -> str:
-    """The rendered conversation cut right after the final assistant message's content, so the
-    model continues that message rather than starting a new turn (vLLM's continue_final_message)."""
+def _continued(chat: Any, messages: list[dict[str, str]]) -> Any:
+    """The rendered conversation (a RenderedChat) cut right after the final assistant message's
+    content, so the model continues that message rather than starting a new turn (vLLM's
+    continue_final_message)."""
     last = messages[-1]
-    end = text.rfind(last["content"]) if last["role"] == "assistant" and last["content"] else -1
+    end = chat.text.rfind(last["content"]) if last["role"] == "assistant" and last["content"] else -1
     if end < 0:
         message = "continue_final_message needs a final assistant message with content"
         raise RequestError(message, "invalid_request", "messages")
-    return text[: end + len(last["content"])]
+    return chat.cut(end + len(last["content"]))
 
 
 IGNORED_HEADER = "x-cadenza-ignored-fields"
@@ -210,6 +205,7 @@ class _Run:
         self.tally: StreamTally | None = None  # set by the route, with its Observation
         self.cache_salt: str | None = None
         self.client = ""  # whose admission place this run holds
+        self.grammar = GrammarPlace()  # its places in the grammar quota, given back with the other
         self.released = False
         # Completions' echo: the prompt (and its logprobs) go first; echo_only drops the output.
         self.echo = not chat and body.echo
@@ -229,7 +225,7 @@ class _Run:
                 async for delta in stream:
                     tally.add(delta)
                     yield delta
-        except asyncio.CancelledError:  # the client went away: the request was aborted
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or was cut: aborted
             tally.finish(self.id, len(self.prompt_ids), ["abort"])
             raise
         except BaseException as e:
@@ -244,6 +240,13 @@ class _Run:
         if not self.released:
             self.released = True
             self.state.admission.release(self.client)
+            self.grammar.release()
+
+    def close_stream(self) -> None:
+        """The end of its SSE response, however it came: the place (when the engine work has
+        not given it back already) and the stream."""
+        self.release()
+        self.state.admission.close_stream(self.client)
 
     def usage(self) -> dict[str, Any]:
         prompt, completion = len(self.prompt_ids), 0 if self.echo_only else self.tally.completion_tokens
@@ -296,6 +299,7 @@ class _Run:
         options = self.body.stream_options
         include_usage = bool(options and options.include_usage)
         running = bool(options and options.continuous_usage_stats)  # vLLM: usage in every chunk
+        deltas = self._deltas()
         try:
             if self.chat:  # OpenAI opens each choice with its role
                 for i in range(self.params.n):
@@ -303,7 +307,7 @@ class _Run:
                     yield _sse(self._envelope([{**opening, "logprobs": None}], chunk=True))
             echo = self.echo
             tool_streams: dict[int, tool_choice.ToolDeltas] = {}
-            async for delta in self._deltas():
+            async for delta in deltas:
                 out = delta.outputs[0]
                 if echo:  # the prompt first, once, in a chunk of its own
                     echo = False
@@ -322,6 +326,8 @@ class _Run:
                 yield _sse(self._envelope([], usage=self.usage(), chunk=True))
         except (RequestFailedError, EngineDeadError, ValueError) as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": "server_error"}})
+        finally:  # a stream cut at a yield aborts its engine request now, not at garbage collection
+            await deltas.aclose()
         yield "data: [DONE]\n\n"
 
     def _envelope(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict[str, Any]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 
 class RequestError(ValueError):
-    """A client mistake, reported as an `error` event (or HTTP 4xx) with code and param."""
+    """A client mistake, reported as an `error` event (or HTTP 4xx) with code and param;
+    status: its HTTP status (429 for a quota the client may retry after)."""
 
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+    def __init__(
+        self, message: str, code: str = "invalid_request", param: str | None = None, status: int = 400
+    ) -> None:
         super().__init__(message)
-        self.code, self.param = code, param
+        self.code, self.param, self.status = code, param, status

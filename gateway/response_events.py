@@ -2,10 +2,19 @@
 
 Every response (HTTP or websocket) appends its events here in order; an event's index is its
 `sequence_number` within the response (what `GET /v1/responses/{id}?stream=true&starting_after=N`
-counts). Readers replay what is kept and then follow the live events. Bounded: at most
-`response_log_size` responses (the oldest finished ones go first), each finished one for
-`response_log_ttl_s`, and each keeps at most `response_log_max_events` events (a longer
-response streams on but can no longer be replayed).
+counts). Readers replay what is kept and then follow the live events.
+
+A log belongs to its tenant (state.tenant_salt: the API key and the client's cache_salt); a
+lookup by another tenant finds nothing, exactly as for an id never issued.
+
+Bounded by count and by bytes: at most `response_log_size` responses (the oldest finished ones
+go first), each finished one for `response_log_ttl_s`; each keeps at most
+`response_log_max_events` events and `response_log_max_response_bytes`, all together at most
+`response_log_max_bytes`. Events are kept as their encoded JSON, so the bytes counted are the
+bytes held (as Python dicts a token's event took ~5x its JSON; each event's own overhead is
+counted too). A response past its bounds
+streams on but can no longer be replayed from there; its latest response object (what GET
+returns) is always kept.
 """
 
 from __future__ import annotations
@@ -16,44 +25,74 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 Json = dict[str, Any]
+Kept = tuple[str, bytes]  # an event's type and its JSON (sequence_number included)
+# Per kept event besides its JSON: the tuple, the bytes header, the list slot (sys.getsizeof: 97).
+EVENT_OVERHEAD_BYTES = 100
+
+
+def _encode(value: Any) -> bytes:
+    """JSON held exactly: msgspec leaves its output with up to half as much again allocated
+    (measured with tracemalloc), which a copy drops."""
+    return bytes(memoryview(msgspec.json.encode(value)))
 
 
 class ReplayError(LookupError):
     """The events asked for are not kept (never, or no longer)."""
 
 
+def _no_cancel() -> None:
+    return None
+
+
 class ResponseEvents:
-    def __init__(self, response_id: str, max_events: int) -> None:
+    def __init__(self, response_id: str, tenant: str | None, logs: ResponseLogs) -> None:
         self.response_id = response_id
-        self.max_events = max_events
-        self.events: list[Json] = []
+        self.tenant = tenant  # whose response this is: only its tenant finds it
+        self.logs = logs  # whose byte budget this log draws on
+        self.events: list[Kept] = []
+        self.bytes = 0  # kept here: events and the response object, as encoded JSON
         self.count = 0  # events appended, kept or not
-        self.overflowed = False  # past max_events: the rest streams live but cannot be replayed
+        self.overflowed = False  # past a bound: the rest streams live but cannot be replayed
         self.done = False
         self.finished_at: float | None = None
-        self.response: Json | None = None  # the latest response object an event carried
-        self.cancel: Callable[[], None] = lambda: None  # set by the run: cancel it
+        self._response = b""  # the latest response object an event carried, as JSON
+        # Set by the run: cancel it. Reset when the run ends, so a finished log does not hold
+        # the run (its prompt ids, messages and request) alive for its TTL.
+        self.cancel: Callable[[], None] = _no_cancel
         self._changed = asyncio.Event()
 
+    @property
+    def response(self) -> Json | None:
+        return msgspec.json.decode(self._response) if self._response else None
+
     def append(self, event: Json) -> Json:
-        """The event with its sequence number, kept (while within max_events)."""
+        """The event with its sequence number, kept while within the bounds."""
         numbered = {**event, "sequence_number": self.count}
         self.count += 1
         if isinstance(event.get("response"), dict):
-            self.response = event["response"]
-        if len(self.events) < self.max_events:
-            self.events.append(numbered)
-        else:
-            self.overflowed = True
+            self._keep_response(_encode(event["response"]))
+        if not self.overflowed:
+            data = _encode(numbered)
+            if len(self.events) < self.logs.max_events and self.logs.reserve(self, len(data) + EVENT_OVERHEAD_BYTES):
+                self.events.append((event["type"], data))
+            else:  # never kept again: a replay must not skip what was dropped
+                self.overflowed = True
         self._wake()
         return numbered
 
+    def _keep_response(self, data: bytes) -> None:
+        self.logs.charge(self, len(data) - len(self._response))
+        self._response = data
+
     def finish(self) -> None:
         self.done, self.finished_at = True, time.monotonic()
+        self.cancel = _no_cancel
         self._wake()
 
-    async def follow(self, starting_after: int = -1) -> AsyncIterator[Json]:
+    async def follow(self, starting_after: int = -1) -> AsyncIterator[Kept]:
         """The kept events after `starting_after`, then the live ones until the response ends."""
         if starting_after != -1 and not 0 <= starting_after < len(self.events):
             raise ReplayError(f"starting_after {starting_after} is not among this response's kept events")
@@ -63,7 +102,10 @@ class ResponseEvents:
                 yield self.events[at]
                 at += 1
             if self.overflowed:
-                raise ReplayError("this response has more events than response_log_max_events keeps")
+                raise ReplayError(
+                    "this response has more events than the response log keeps "
+                    "(response_log_max_events, response_log_max_response_bytes, response_log_max_bytes)"
+                )
             if self.done:
                 return
             await self._changed.wait()
@@ -83,30 +125,69 @@ class ResponseEvents:
 
 
 class ResponseLogs:
-    def __init__(self, max_size: int, ttl_s: float, max_events: int) -> None:
+    def __init__(
+        self,
+        max_size: int,
+        ttl_s: float,
+        max_events: int,
+        max_bytes: int = 128 << 20,
+        max_response_bytes: int = 8 << 20,
+    ) -> None:
         self.max_size, self.ttl_s, self.max_events = max_size, ttl_s, max_events
+        self.max_bytes, self.max_response_bytes = max_bytes, max_response_bytes
+        self.bytes = 0  # kept by the logs in _items
         self._items: OrderedDict[str, ResponseEvents] = OrderedDict()
 
-    def open(self, response_id: str) -> ResponseEvents:
+    def open(self, response_id: str, tenant: str | None = None) -> ResponseEvents:
         self._expire()
-        log = self._items[response_id] = ResponseEvents(response_id, self.max_events)
-        while len(self._items) > self.max_size:  # the oldest finished first; running ones stay
-            oldest = next((k for k, v in self._items.items() if v.done), None)
-            if oldest is None:
-                break
-            del self._items[oldest]
+        log = self._items[response_id] = ResponseEvents(response_id, tenant, self)
+        while len(self._items) > self.max_size and self._drop_oldest_finished(log):
+            pass
         return log
 
-    def get(self, response_id: str) -> ResponseEvents | None:
+    def get(self, response_id: str, tenant: str | None = None) -> ResponseEvents | None:
+        """The tenant's log of that response; another tenant's is not found, as an unknown id."""
         self._expire()
-        return self._items.get(response_id)
+        log = self._items.get(response_id)
+        return log if log is not None and log.tenant == tenant else None
+
+    def reserve(self, log: ResponseEvents, size: int) -> bool:
+        """Room for `size` more bytes of events in `log`: within its own bound, and within the
+        total once the oldest finished logs have gone (running ones are never dropped)."""
+        if log.bytes + size > self.max_response_bytes:
+            return False
+        while self.bytes + size > self.max_bytes and self._drop_oldest_finished(log):
+            pass
+        if self.bytes + size > self.max_bytes:
+            return False
+        self.charge(log, size)
+        return True
+
+    def charge(self, log: ResponseEvents, size: int) -> None:
+        """Counts bytes `log` keeps whatever the bounds (its latest response object), making room
+        by dropping the oldest finished logs: only running logs' response objects may exceed
+        the total, by one response object each."""
+        log.bytes += size
+        if self._items.get(log.response_id) is log:
+            self.bytes += size
+        while self.bytes > self.max_bytes and self._drop_oldest_finished(log):
+            pass
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def _drop_oldest_finished(self, keep: ResponseEvents) -> bool:
+        oldest = next((k for k, v in self._items.items() if v.done and v is not keep), None)
+        if oldest is not None:
+            self._drop(oldest)
+        return oldest is not None
+
+    def _drop(self, response_id: str) -> None:
+        self.bytes -= self._items.pop(response_id).bytes
 
     def _expire(self) -> None:
         now = time.monotonic()
         for key in [
             k for k, v in self._items.items() if v.finished_at is not None and now - v.finished_at > self.ttl_s
         ]:
-            del self._items[key]
+            self._drop(key)

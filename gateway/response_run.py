@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import protocol as p
 from cadenza.gateway.observe import Observation
-from cadenza.gateway.state import GatewayState, PreparedResponse, new_id, tenant_salt
+from cadenza.gateway.response_store import StoredResponse
+from cadenza.gateway.state import GatewayState, PreparedResponse, new_id
 from cadenza.gateway.stream_tally import StreamTally
 from cadenza.gateway.tool_calls import ToolCall
 from cadenza.gateway.tool_choice import ToolDeltas
-from cadenza.request_limits import presented_key
 
 if TYPE_CHECKING:  # the socket owns its runs; only the types cross back
     from cadenza.gateway.responses_ws import Job
@@ -48,7 +48,7 @@ class ResponseRun:
         self.item_id = new_id("msg")
         self.created_at = p.now()
         state = transport.state
-        self.log = state.logs.open(prepared.response_id)  # for replay, whatever the transport
+        self.log = state.logs.open(prepared.response_id, prepared.tenant)  # for replay, whatever the transport
         self.log.cancel = self.cancel
         self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", transport.headers, prepared.params))
         self.tally.observation.span.messages(prepared.messages)
@@ -63,7 +63,7 @@ class ResponseRun:
         r = p.response_object(
             self.prepared.response_id, self.transport.state.model_name, status, self.job.create, output, self.created_at
         )
-        return {**r, **fields}
+        return {**r, **(self.prepared.echo or {}), **fields}
 
     async def emit(self, event: p.Json) -> None:
         self.log.append(event)
@@ -107,14 +107,13 @@ class ResponseRun:
 
     async def stream(self, item: p.Json) -> str:
         state = self.transport.state
-        salt = tenant_salt(presented_key(self.transport.headers), self.job.create.cache_salt)
         prepared = self.prepared
         stream = state.generate(
             prepared.prompt_ids,
             prepared.params,
             prepared.response_id,
             True,
-            salt,
+            prepared.tenant,  # the prefix-cache salt, and the tenant the engine pins its session for
             prepared.priority,
             prepared.session_id,
         )
@@ -167,8 +166,10 @@ class ResponseRun:
         turn: p.Json = {"role": "assistant", "content": text}
         if self.calls:
             turn["tool_calls"] = [c.to_openai() for c in self.calls]
+        prepared = self.prepared  # the store keeps this response's own turn: its input and reply
+        own = prepared.messages[prepared.history_len :] + [turn]
         await self.transport.state.store.put(
-            self.prepared.response_id, self.prepared.messages + [turn], self.prepared.session_id
+            StoredResponse.of(prepared.response_id, own, prepared.parent, prepared.session_id, prepared.tenant)
         )
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
         status = "completed" if complete else ("cancelled" if finish == "cancelled" else "incomplete")

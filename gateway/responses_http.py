@@ -5,19 +5,20 @@ events after N and then the live ones), `POST /v1/responses/{id}/cancel`.
 A response runs as its own task, writing its events to the response log
 (response_events.py) that every reader follows. A foreground stream's response is cancelled
 when its client goes away; a `background: true` one runs on until it ends or is cancelled,
-and any client may resume it from the last sequence number it saw.
+and its tenant may resume it from the last sequence number it saw. A response is its tenant's
+(the key that created it, and the create's `cache_salt`, which GET and cancel send as the
+`cache_salt` query parameter); to any other caller it is not found (404), as an unknown id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
@@ -26,7 +27,9 @@ from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.response_events import ReplayError, ResponseEvents
 from cadenza.gateway.response_run import ResponseRun
 from cadenza.gateway.responses_ws import Job
-from cadenza.gateway.state import GatewayState
+from cadenza.gateway.send_deadline import SseStream
+from cadenza.gateway.state import GatewayState, tenant_salt
+from cadenza.request_limits import presented_key
 
 
 class _LogOnly:
@@ -49,27 +52,37 @@ class ResponsesHttp:
             create = await read_json(request, p.ResponseCreate, self.state.settings)
         except BodyError as e:
             return error_response(e.status, str(e), e.code)
+        limit = self.state.settings.max_messages
+        if p.input_count(create.input) > limit:  # as on the websocket, before admission
+            message = f"input has more than {limit} messages (max_messages)"
+            return error_response(400, message, "too_many_messages", "input")
         admission = self.state.admission
         client = admission.client(request.client and request.client.host)
-        if not admission.try_acquire(client):
-            code, message = admission.refusal(client)
-            return error_response(429, message, code, **{"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})
+        refused = admission.admit(client, create.stream)
+        if refused is not None:
+            return _too_many(refused)
+        prepared = None
         try:
-            prepared = await self.state.prepare(create, headers=request.headers)
+            ready = await self.state.prepare(create, headers=request.headers)
+            grammar = await self.state.grammars.admit(client, ready.params)  # in a thread, in budget
+            prepared = ready
         except Exception as e:
-            admission.release(client)
             return _refusal(e)
+        finally:  # a failure, or a cancel: under Serve a client that leaves cancels this task, here
+            if prepared is None:
+                admission.give_back(client, create.stream)
         job = Job(create, prepared.response_id)
         run = ResponseRun(_LogOnly(self.state, request.headers), job, prepared)
         job.task = asyncio.get_running_loop().create_task(run.run())
         self.tasks.add(job.task)
-        job.task.add_done_callback(lambda t: (self.tasks.discard(t), admission.release(client)))
-        return await self._answer(create, run.log, job.task)
+        job.task.add_done_callback(lambda t: (self.tasks.discard(t), admission.release(client), grammar.release()))
+        return await self._answer(create, run.log, job.task, client)
 
-    async def _answer(self, create: p.ResponseCreate, log: ResponseEvents, task: asyncio.Task[None]) -> Response:
-        if create.stream:
-            on_close = None if create.background else task.cancel  # a foreground reader owns its run
-            return FollowingStream(_sse(log, -1), on_close)
+    async def _answer(
+        self, create: p.ResponseCreate, log: ResponseEvents, task: asyncio.Task[None], client: str
+    ) -> Response:
+        if create.stream:  # a foreground reader owns its run
+            return self._stream(log, -1, client, None if create.background else task)
         if create.background:  # answered at once: the response as created, then poll or resume
             await log.wait_for(1)
             return JSONResponse(log.response)
@@ -93,7 +106,10 @@ class ResponsesHttp:
         if after != -1 and not 0 <= after < len(log.events):
             message = f"starting_after {after} is not among this response's {len(log.events)} kept events"
             return error_response(400, message, "invalid_request", "starting_after")
-        return FollowingStream(_sse(log, after), None)
+        client = self.state.admission.client(request.client and request.client.host)
+        if not self.state.admission.open_stream(client):
+            return _too_many(self.state.admission.stream_refusal(client))
+        return self._stream(log, after, client, None)
 
     async def cancel(self, request: Request) -> Response:
         log = self._log(request)
@@ -103,33 +119,37 @@ class ResponsesHttp:
         await log.wait_done()  # its terminal event carries the cancelled response
         return JSONResponse(log.response)
 
+    def _stream(self, log: ResponseEvents, after: int, client: str, run: asyncio.Task[None] | None) -> SseStream:
+        """SSE of a response's events after `after`, holding one of `client`'s streams (opened
+        by the caller) until it ends however it ends; `run`: a foreground response's task,
+        which never outlives its reader."""
+
+        def close() -> None:
+            if run is not None:
+                run.cancel()
+            self.state.admission.close_stream(client)
+
+        return SseStream(_sse(log, after), self.state.settings.send_timeout_s, close)
+
     def _log(self, request: Request) -> ResponseEvents | None:
-        return self.state.logs.get(request.path_params["response_id"])
+        """The response's log if it is the caller's tenant's (its key, and the `cache_salt` query
+        parameter its create carried): another tenant's is not found, as an unknown id."""
+        tenant = tenant_salt(presented_key(request.headers), request.query_params.get("cache_salt"))
+        return self.state.logs.get(request.path_params["response_id"], tenant)
 
 
-async def _sse(log: ResponseEvents, after: int) -> AsyncIterator[str]:
+async def _sse(log: ResponseEvents, after: int) -> AsyncGenerator[bytes | str, None]:
     try:
-        async for event in log.follow(after):
-            yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+        async for kind, data in log.follow(after):  # kept as JSON: sent as it is
+            yield b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
     except ReplayError as e:
         error = p.error_event(str(e), "replay_unavailable", 410)
         yield f"event: error\ndata: {json.dumps(error)}\n\n"
 
 
-class FollowingStream(StreamingResponse):
-    """SSE of a response's events; on_close runs however the stream ends (a client gone
-    before the first event included), so a foreground run never outlives its reader."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Any] | None) -> None:
-        super().__init__(content, media_type="text/event-stream")
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if self.on_close is not None:
-                self.on_close()
+def _too_many(refused: tuple[str, str]) -> Response:
+    code, message = refused
+    return error_response(429, message, code, **{"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})
 
 
 def _not_found(request: Request) -> Response:
@@ -139,6 +159,7 @@ def _not_found(request: Request) -> Response:
 
 def _refusal(e: Exception) -> Response:
     if isinstance(e, RequestError):
-        status = 404 if e.code in ("model_not_found", "previous_response_not_found") else 400
-        return error_response(status, str(e), e.code, e.param)
+        status = 404 if e.code in ("model_not_found", "previous_response_not_found") else e.status
+        retry = {"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))} if status == 429 else {}
+        return error_response(status, str(e), e.code, e.param, **retry)
     return error_response(400, f"the request could not be prepared: {e}", "invalid_request")

@@ -25,8 +25,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.grammar_budget import GrammarPlace
 from cadenza.gateway.json_scan import JsonDepthError, check_json
 from cadenza.gateway.response_run import ResponseRun
+from cadenza.gateway.send_deadline import SendTimeout, send_within
 from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id
 
 log = logging.getLogger(__name__)
@@ -80,28 +82,11 @@ class ResponsesSocket:
                 event["stream_id"] = stream_id
             self.seq += 1
             try:
-                await self.send_within(p.encode(event).decode(), self.state.settings.send_timeout_s)
-            except asyncio.TimeoutError:
+                await send_within(self.ws.send_text(p.encode(event).decode()), self.state.settings.send_timeout_s)
+            except SendTimeout:
                 self.stall()
             except (WebSocketDisconnect, RuntimeError, OSError):
                 self.closed = True
-
-    async def send_within(self, text: str, timeout_s: float) -> None:
-        """uvicorn's send waits while the transport is over its high-water mark, which stays so
-        for as long as the client does not read. NOTE: not asyncio.wait_for: on Python 3.11 it
-        loses a cancel that arrives as the send completes, and the cancelled response then
-        streams on to its end into a closed socket (seen: a closed socket's response held its
-        place and KV for its whole length). asyncio.wait never swallows the caller's cancel."""
-        sending = asyncio.ensure_future(self.ws.send_text(text))
-        try:
-            done, _ = await asyncio.wait({sending}, timeout=timeout_s)
-        except asyncio.CancelledError:
-            sending.cancel()
-            raise
-        if not done:
-            sending.cancel()
-            raise asyncio.TimeoutError
-        sending.result()
 
     def stall(self) -> None:
         """A client that stopped reading: end the socket, which cancels its responses and
@@ -293,10 +278,13 @@ class ResponsesSocket:
         """One response. Whatever fails ends it with an event (`error` before response.created,
         `response.failed` after) and the lane goes on; the place is released by job_done."""
         create, sid = job.create, job.create.stream_id
+        grammar = GrammarPlace()
         try:
             prepared = await self.state.prepare(create, headers=self.headers)
+            grammar = await self.state.grammars.admit(self.client, prepared.params)  # in a thread, in budget
             run = ResponseRun(self, job, prepared)
         except Exception as e:
+            grammar.release()
             await self.send(_prepare_error(e), sid)
             return
         job.response_id = prepared.response_id
@@ -305,6 +293,7 @@ class ResponsesSocket:
             await run.run()
         finally:
             self.active.pop(prepared.response_id, None)
+            grammar.release()
         if job.steer_input is not None and not self.closed:  # closed: stop_all ran or is running
             self.continue_steered(job, prepared)
 
@@ -323,7 +312,7 @@ def _prepare_error(e: Exception) -> p.Json:
     chat template or the tokenizer (a template's raise_exception on roles that do not
     alternate) is about the client's input; anything else is ours, logged, not shown."""
     if isinstance(e, RequestError):
-        return p.error_event(str(e), e.code, 400, e.param)
+        return p.error_event(str(e), e.code, e.status, e.param)
     if isinstance(e, ValueError):
         return p.error_event(str(e), "invalid_input", 400, "input")
     log.error("preparing a response failed", exc_info=e)

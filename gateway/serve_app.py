@@ -32,7 +32,7 @@ from cadenza.actors.async_llm import AsyncLLM
 from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
 from cadenza.gateway.settings import GatewaySettings
-from cadenza.gateway.shared_store import SharedStore
+from cadenza.gateway.shared_store import SharedStore, store_name
 
 REPLICA_HEADER = "x-cadenza-replica"
 API_KEY_ENV = "CADENZA_API_KEY"
@@ -45,7 +45,9 @@ class CadenzaDeployment:
     def __init__(
         self, model: str, served_model_name: str | None, engine: dict[str, Any], gateway: dict[str, Any]
     ) -> None:
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.app_name = context.app_name
         self.model_name = served_model_name or model
         self.settings = GatewaySettings(**gateway_with_env_key(gateway))
         self.engine = AsyncLLM(model, **engine)
@@ -54,9 +56,11 @@ class CadenzaDeployment:
         # The Host check is on only where gateway.allowed_hosts names the hosts: clients reach
         # Serve's proxy by whatever name the cluster (Service, Ingress) gives it, unknown here.
         check_host = bool(self.settings.allowed_hosts)
-        # One conversation store for every replica: a session the router moves still finds
-        # its history (its prefix KV is recomputed where it lands).
-        store = SharedStore(self.settings.response_store_size, self.settings.response_store_ttl_s)
+        # One conversation store for every replica of this application: a session the router
+        # moves still finds its history (its prefix KV is recomputed where it lands).
+        s = self.settings
+        name = store_name(self.app_name, self.model_name)
+        store = SharedStore(s.response_store_size, s.response_store_ttl_s, s.response_store_max_bytes, name)
         app = build_gateway(self.engine, self.model_name, self.settings, check_host=check_host, store=store)
         return _ReplicaHeader(app, self.replica_id)
 

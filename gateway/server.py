@@ -41,6 +41,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="step the engine in the server's own process, without Ray (one worker: TP = PP = 1)",
     )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join (GCS host:port, auto, ray://host:port; default $RAY_ADDRESS); "
+        "none named: a private instance on loopback",
+    )
     defaults = GatewaySettings()
     for f in dataclasses.fields(GatewaySettings):
         flag = "--" + f.name.replace("_", "-")
@@ -54,6 +60,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, nargs="*", default=[], help=text)
         elif f.name == "api_key":
             p.add_argument(flag, default=None, help="require `Authorization: Bearer <key>`")
+        elif f.name == "priority_api_keys":
+            p.add_argument(flag, nargs="*", default=[], help="keys that may ask for priority below 0 (interactive)")
         elif isinstance(default, bool):  # type=bool would read "--flag False" as True
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
@@ -94,7 +102,9 @@ def _engine_client(args: argparse.Namespace) -> EngineClient:
         return InProcessClient(args.model, **kwargs)
     from cadenza.actors.async_llm import AsyncLLM
 
-    return AsyncLLM(args.model, executor=args.executor, **kwargs)
+    llm = AsyncLLM(args.model, executor=args.executor, ray_address=args.ray_address, **kwargs)
+    print(f"cadenza: engine on {llm.ray_instance}", flush=True)
+    return llm
 
 
 def uvicorn_config(app: Starlette, settings: GatewaySettings) -> uvicorn.Config:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+from cadenza.gateway.scheduling import MAX_PRIORITY, MIN_PRIORITY
 from cadenza.gateway.tool_calls import PARSERS
 
 
@@ -42,7 +43,8 @@ class GatewaySettings:
         those headers are ignored, since any loopback process could otherwise claim to be any
         number of clients and every per-client quota would stop binding.
     send_timeout_s: a send to a client that cannot complete in this time cancels that
-        response and frees its place (a stalled reader holds nothing for long).
+        response and frees its place (a stalled reader holds nothing for long): a websocket
+        is ended, an HTTP stream (SSE, a follower included) is cut and its connection dropped.
     idle_timeout_s: an HTTP keep-alive connection with no request for this long is closed.
     header_timeout_s: a connection that has not sent its whole request head in this time is
         closed (slow-header clients).
@@ -66,6 +68,35 @@ class GatewaySettings:
     tool_call_parser: how tool calls are read from a reply under tool_choice auto (hermes,
         llama3, mistral; auto recognises the model's format from its chat template, and takes
         hermes for a template that knows no tools, which the prompt then teaches).
+    priority_api_keys: API keys whose requests may ask for a priority below the interactive 0
+        (body `priority` or `x-priority`; gateway/scheduling.py); each is also accepted
+        wherever api_key is. Empty, the default: no request may jump ahead of interactive
+        work. Without api_key the server is open, and these keys only grant priority.
+    max_prompt_cache_key_chars: longest `prompt_cache_key` (the session the engine pins),
+        400 past it.
+    response_log_max_bytes / response_log_max_response_bytes: the response log's events, as
+        encoded JSON (what it keeps), in all and per response. Past the total the oldest
+        finished responses go first; a response past its own bound, or that finds only
+        running ones to evict, streams on but keeps no more events (a resume past that
+        point is a 410), as past response_log_max_events.
+    response_store_max_bytes: the stored conversations, as encoded JSON, least recently
+        used dropped first (each stored response keeps only its own turn: its input and
+        its reply; a continuation joins the turns of its chain).
+    max_streams_per_client: HTTP event streams (SSE) open at once per client: streamed chat
+        and completions, streamed `POST /v1/responses`, and `GET /v1/responses/{id}?stream=true`
+        followers, which hold a connection but no response place; past it a 429
+        (`too_many_client_streams`). Each stream's sends are bounded by send_timeout_s.
+    max_grammar_bytes: the largest grammar a request may bring (response_format, text.format,
+        structured_outputs, guided_*, or the one tool_choice required / a named function
+        makes), in bytes of its compiled form (llguidance's serialised grammar: the schema with
+        its options, the regex, the Lark text); past it a 400 (`grammar_too_large`).
+    grammar_compile_timeout_s: how long a new grammar may take to compile, after admission, in
+        a worker thread (never on the event loop); past it a 400 (`grammar_too_complex`), and
+        the same grammar is refused at once from then on. Verdicts are cached by the grammar's
+        content hash, so a repeated grammar is compiled once.
+    max_grammar_requests / max_grammar_requests_per_client: sequences following a grammar in
+        flight (a request with n choices counts n), server-wide and per client: each costs the
+        engine's one mask thread every step. Past either a 429 (`too_many_grammar_requests`).
     """
 
     host: str = "127.0.0.1"
@@ -99,6 +130,16 @@ class GatewaySettings:
     response_log_size: int = 256
     response_log_ttl_s: float = 600.0
     response_log_max_events: int = 16384
+    priority_api_keys: tuple[str, ...] = ()
+    max_prompt_cache_key_chars: int = 256
+    response_log_max_bytes: int = 128 << 20
+    response_log_max_response_bytes: int = 8 << 20
+    response_store_max_bytes: int = 256 << 20
+    max_streams_per_client: int = 64
+    max_grammar_bytes: int = 256 << 10
+    grammar_compile_timeout_s: float = 2.0
+    max_grammar_requests: int = 32
+    max_grammar_requests_per_client: int = 8
 
     def __post_init__(self) -> None:
         positive = {
@@ -117,10 +158,16 @@ class GatewaySettings:
             "default_max_output_tokens": self.default_max_output_tokens,
             "response_log_size": self.response_log_size,
             "response_log_max_events": self.response_log_max_events,
+            "max_prompt_cache_key_chars": self.max_prompt_cache_key_chars,
+            "response_log_max_response_bytes": self.response_log_max_response_bytes,
+            "response_store_max_bytes": self.response_store_max_bytes,
+            "max_streams_per_client": self.max_streams_per_client,
         }
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.response_log_max_bytes < self.response_log_max_response_bytes:
+            raise ValueError("response_log_max_bytes must be >= response_log_max_response_bytes")
         if self.max_queued_requests < 0 or self.response_store_ttl_s <= 0:
             raise ValueError("max_queued_requests must be >= 0 and response_store_ttl_s > 0")
         for name in ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s", "response_log_ttl_s"):
@@ -131,6 +178,15 @@ class GatewaySettings:
             raise ValueError(f"tool_call_parser must be auto or one of {choices}, got {self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
+        if isinstance(self.priority_api_keys, str) or not all(k.strip() for k in self.priority_api_keys):
+            raise ValueError("priority_api_keys must be a list of non-empty keys")
+        if not MIN_PRIORITY <= self.batch_priority <= MAX_PRIORITY:
+            raise ValueError(f"batch_priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.batch_priority}")
+        object.__setattr__(self, "priority_api_keys", tuple(self.priority_api_keys))  # a YAML list
+        grammar_caps = (self.max_grammar_bytes, self.max_grammar_requests, self.max_grammar_requests_per_client)
+        if min(grammar_caps) < 1 or self.grammar_compile_timeout_s <= 0:
+            message = "max_grammar_bytes, max_grammar_requests(_per_client) must be >= 1, grammar_compile_timeout_s > 0"
+            raise ValueError(message)
 
     @property
     def own_origins(self) -> tuple[str, ...]:
@@ -158,12 +214,22 @@ class GatewaySettings:
         return name in {h.lower() for h in (self.allowed_hosts or self.own_hosts)}
 
     def key_accepts(self, candidates: list[str]) -> bool:
-        """No key configured, or one candidate equals it (compared in constant time)."""
+        """No key configured, or one candidate equals it or a priority key (constant time)."""
         if self.api_key is None:
             return True
-        return any(hmac.compare_digest(c.encode(), self.api_key.encode()) for c in candidates)
+        return _any_equal(candidates, (self.api_key, *self.priority_api_keys))
+
+    def grants_priority(self, candidates: list[str]) -> bool:
+        """One candidate is a priority_api_keys key (compared in constant time)."""
+        return _any_equal(candidates, self.priority_api_keys)
 
     def origin_allowed(self, origin: str | None) -> bool:
         if origin is None:
             return True
         return origin in (self.allowed_origins or self.own_origins)
+
+
+def _any_equal(candidates: list[str], keys: tuple[str, ...]) -> bool:
+    # Every pair is compared, so the time taken says nothing of which key (if any) matched.
+    matches = [hmac.compare_digest(c.encode(), k.encode()) for c in candidates for k in keys]
+    return any(matches)

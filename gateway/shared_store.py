@@ -1,47 +1,86 @@
 """SharedStore: the conversation store as one detached Ray actor, read by every replica.
 
-Why an actor rather than Ray's internal KV: the store must stay bounded (LRU size and TTL,
+Why an actor rather than Ray's internal KV: the store must stay bounded (count, bytes and TTL,
 the same ResponseStore as one gateway's), and an actor runs that logic where the data is;
 the KV has neither eviction nor TTL, so every replica would have to agree on them. One
-named, detached actor per Serve application (`get_if_exists`), so replicas created later,
-or after a replacement, find the same store; a call is one small actor round trip (~1 ms),
-paid once per turn, never per token. For several nodes it lives wherever Ray places it; a
-store outside Ray (Redis) would be the next step for a cluster that restarts Ray itself.
+named, detached actor per Serve application (`store_name`: the application and its model),
+so replicas created later, or after a replacement, find the same store, and two Cadenza
+applications in one cluster never share one. A write sends one turn (StoredResponse), never
+the conversation; a read brings the conversation back; each is one small actor round trip
+(~1 ms), paid once per turn, never per token.
+
+The actor is detached, so nothing else restarts it: Ray restarts it after a crash
+(max_restarts), and a call that finds it dead (killed, or its node lost) creates it again under
+the same name and retries once. Its contents are lost with it: a conversation stored before
+cannot be continued (`previous_response_not_found`), as after its TTL. For several nodes it
+lives wherever Ray places it; a store outside Ray (Redis) would be the next step for a cluster
+that restarts Ray itself.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import ray
+from ray.exceptions import RayActorError
 
-from cadenza.gateway.response_store import Message, ResponseStore, StoredResponse
+from cadenza.gateway.response_store import Conversation, ResponseStore, StoredResponse
 
-ACTOR_NAME = "cadenza-response-store"
+ACTOR_PREFIX = "cadenza-response-store"
+
+log = logging.getLogger(__name__)
 
 
-@ray.remote(num_cpus=0)
+def store_name(app_name: str, model_name: str) -> str:
+    """The store's actor name: one per Serve application (and its model)."""
+    return f"{ACTOR_PREFIX}:{app_name}:{model_name}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
 class _StoreActor:
-    def __init__(self, max_size: int, ttl_s: float) -> None:
-        self.store = ResponseStore(max_size, ttl_s)
+    def __init__(self, max_size: int, ttl_s: float, max_bytes: int) -> None:
+        self.store = ResponseStore(max_size, ttl_s, max_bytes)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self.store.get(response_id)
+    def get(self, response_id: str, tenant: str | None) -> Conversation | None:
+        return self.store.get(response_id, tenant)
 
     def put(self, item: StoredResponse) -> None:
-        self.store.put(item.response_id, item.messages, item.session_id)
+        self.store.put(item)
 
     def size(self) -> int:
         return len(self.store)
 
+    def stored_bytes(self) -> int:
+        return self.store.bytes
+
 
 class SharedStore:
-    def __init__(self, max_size: int, ttl_s: float, name: str = ACTOR_NAME) -> None:
-        self.actor = _StoreActor.options(name=name, lifetime="detached", get_if_exists=True).remote(max_size, ttl_s)
+    def __init__(self, max_size: int, ttl_s: float, max_bytes: int, name: str) -> None:
+        self.name, self.args = name, (max_size, ttl_s, max_bytes)
+        self.actor = self._connect()
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await self.actor.get.remote(response_id)
+    def _connect(self) -> Any:
+        """The named actor, created if there is none (a first replica, or the last one died)."""
+        options = _StoreActor.options(name=self.name, lifetime="detached", get_if_exists=True)
+        return options.remote(*self.args)
 
-    async def put(self, response_id: str, messages: list[Message], session_id: str | None = None) -> None:
-        await self.actor.put.remote(StoredResponse(response_id, messages, session_id))
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError:
+            log.warning("the response store %s is gone; starting it again, empty", self.name)
+            self.actor = self._connect()
+            return await getattr(self.actor, method).remote(*args)
+
+    async def get(self, response_id: str, tenant: str | None) -> Conversation | None:
+        return await self._call("get", response_id, tenant)
+
+    async def put(self, item: StoredResponse) -> None:
+        await self._call("put", item)
 
     async def size(self) -> int:
-        return await self.actor.size.remote()
+        return await self._call("size")
+
+    async def stored_bytes(self) -> int:
+        return await self._call("stored_bytes")

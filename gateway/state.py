@@ -16,9 +16,10 @@ from cadenza.engine_client import EngineClient
 from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import Admission
 from cadenza.gateway.drain import Drain
+from cadenza.gateway.grammar_budget import GrammarBudget
 from cadenza.gateway.metrics import Metrics
 from cadenza.gateway.openai_schema import ChatCompletionRequest
-from cadenza.gateway.protocol import ResponseCreate, input_messages
+from cadenza.gateway.protocol import Json, ResponseCreate, input_messages
 from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.response_events import ResponseLogs
 from cadenza.gateway.response_format import combined, from_text_format
@@ -35,6 +36,7 @@ from cadenza.request_limits import (
     check_model,
     check_request,
     max_tokens_or_default,
+    presented_key,
 )
 from cadenza.sampling_params import SamplingParams
 from cadenza.structured_outputs import StructuredOutputs
@@ -49,6 +51,10 @@ class PreparedResponse:
     tools: tool_choice.ToolPlan | None = None  # function calls read from the reply
     session_id: str | None = None  # the conversation (its prefix KV is pinned between turns)
     priority: int = 0
+    tenant: str | None = None  # tenant_salt: its prefix-cache salt, and whose response it is
+    parent: str | None = None  # the response it continues (previous_response_id)
+    history_len: int = 0  # messages[:history_len] are the stored conversation, the rest its input
+    echo: dict[str, Any] | None = None  # the request's fields the response object shows, validated
 
 
 class GatewayState:
@@ -64,10 +70,14 @@ class GatewayState:
         self.model_name = model_name
         self.settings = settings
         self.admission = Admission(settings)
+        self.grammars = GrammarBudget(settings)  # after admission: compile budget and quota
         self.drain = Drain(self.admission)  # shutdown: refuse new work, end what outlives the drain
-        self.store = store or LocalStore(settings.response_store_size, settings.response_store_ttl_s)
         s = settings
-        self.logs = ResponseLogs(s.response_log_size, s.response_log_ttl_s, s.response_log_max_events)
+        self.store = store or LocalStore(s.response_store_size, s.response_store_ttl_s, s.response_store_max_bytes)
+        self.logs = ResponseLogs(
+            s.response_log_size, s.response_log_ttl_s, s.response_log_max_events,
+            s.response_log_max_bytes, s.response_log_max_response_bytes,
+        )  # fmt: skip
         self.tokenizer = engine.get_tokenizer()
         self.tool_parser = parser_for(getattr(self.tokenizer, "chat_template", None), settings.tool_call_parser)
         self.metrics = Metrics(model_name)
@@ -111,38 +121,46 @@ class GatewayState:
         long conversation takes them many milliseconds, which on the loop would stall every
         socket. The store and the checks stay on the loop (the store is not thread-safe)."""
         self.check_model(create.model)
+        self.check_session_key(create.prompt_cache_key)
+        tenant = tenant_salt(presented_key(headers) if headers is not None else None, create.cache_salt)
         try:
             new = input_messages(create.input)
         except ValueError as e:
             raise RequestError(str(e), "invalid_input", "input") from None
         if not new or not any(m["content"] for m in new):
             raise RequestError("input is required and must not be empty", "missing_input", "input")
-        history, session = await self._history(create.previous_response_id)
+        history, session = await self._history(create.previous_response_id, tenant)
         messages = history + new
         response_id = response_id or new_id("resp")
         system = [{"role": "system", "content": create.instructions}] if create.instructions else []
         chat = as_chat_request(create, system + messages)
         tools, shown = tool_choice.plan(chat, self.tool_parser)
         prompt_ids = await asyncio.to_thread(self._render, chat, shown)
-        grammar = combined(from_text_format(create.text), tool_choice.grammar(tools, chat))
+        text_format = from_text_format(create.text)
+        grammar = combined(text_format, tool_choice.grammar(tools, chat))
         params = self._params(create, len(prompt_ids), grammar)
         self.check(params, prompt_ids, "input")
-        session = create.prompt_cache_key or session or response_id
-        priority = request_priority(create.priority, create.service_tier, headers, self.settings.batch_priority)
-        return PreparedResponse(response_id, messages, prompt_ids, params, tools, session, priority)
+        session = create.prompt_cache_key or session or response_id  # the engine keys it by tenant
+        priority = request_priority(create.priority, create.service_tier, headers, self.settings)
+        echo = _echo(create.text if text_format else None, chat, tools)
+        return PreparedResponse(
+            response_id, messages, prompt_ids, params, tools, session, priority, tenant,
+            create.previous_response_id, len(history), echo,
+        )  # fmt: skip
 
     def _render(self, chat: ChatCompletionRequest, shown: list[dict[str, Any]]) -> list[int]:
         """Prompt token ids of the conversation (thread-safe: the compiled template and the
         tokenizer hold no per-call state)."""
         turns, variables = tool_choice.messages(chat, shown, self.tokenizer.chat_template)
-        text = self.tokenizer.apply_chat_template(turns, True, variables)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # Special-token text in a message's content stays text (no spoofed turns).
+        return self.tokenizer.encode_chat(self.tokenizer.render_chat(turns, True, variables))
 
-    async def _history(self, previous_response_id: str | None) -> tuple[list[Message], str | None]:
-        """The stored conversation and the session it belongs to."""
+    async def _history(self, previous_response_id: str | None, tenant: str | None) -> tuple[list[Message], str | None]:
+        """The stored conversation and the session it belongs to. Another tenant's response is
+        not found, with the same message as an id never issued."""
         if previous_response_id is None:
             return [], None
-        stored = await self.store.get(previous_response_id)
+        stored = await self.store.get(previous_response_id, tenant)
         if stored is None:
             raise RequestError(
                 f"previous response {previous_response_id!r} not found (responses are kept for "
@@ -150,7 +168,14 @@ class GatewayState:
                 "previous_response_not_found",
                 "previous_response_id",
             )
-        return list(stored.messages), stored.session_id
+        return stored.messages, stored.session_id
+
+    def check_session_key(self, key: str | None) -> None:
+        """prompt_cache_key names the session the engine pins: bounded, as every client string is."""
+        limit = self.settings.max_prompt_cache_key_chars
+        if key is not None and len(key) > limit:
+            message = f"prompt_cache_key is longer than {limit} characters (max_prompt_cache_key_chars)"
+            raise RequestError(message, "invalid_request", "prompt_cache_key")
 
     def check_model(self, requested: str | None) -> None:
         try:
@@ -198,6 +223,25 @@ def as_chat_request(create: ResponseCreate, messages: list[Message]) -> ChatComp
         return msgspec.convert({**body, "parallel_tool_calls": create.parallel_tool_calls}, ChatCompletionRequest)
     except msgspec.ValidationError as e:
         raise RequestError(f"invalid tools or input: {e}", "invalid_request", "tools") from None
+
+
+def _echo(text: dict[str, Any] | None, chat: ChatCompletionRequest, tools: tool_choice.ToolPlan | None) -> Json:
+    """The request's fields a response object shows, as validated: the function definitions,
+    the tool choice and the text format (`text`: a grammar's, else None) without any other keys
+    a client sent, so every response event echoes only what the request used."""
+    fmt = {k: v for k, v in text["format"].items() if k in _FORMAT_KEYS} if text else {"type": "text"}
+    choice: str | Json = "none" if tools is None else tools.mode
+    if tools is not None and tools.mode == "named":
+        choice = {"type": "function", "name": tools.name}
+    functions = [{"type": "function", **_fields(t.function)} for t in chat.all_tools]
+    return {"tools": functions, "text": {"format": fmt}, "tool_choice": choice}
+
+
+_FORMAT_KEYS = ("type", "name", "description", "schema", "strict")
+
+
+def _fields(struct: msgspec.Struct) -> dict[str, Any]:
+    return {k: v for k, v in msgspec.structs.asdict(struct).items() if v is not None}
 
 
 def _without(d: dict[str, Any], key: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from cadenza.models.chat_spans import RenderedChat, render_with_spans, special_text_pattern
 from cadenza.models.chat_template import render_chat
 from cadenza.models.gguf_reader import field_value
 
@@ -44,7 +45,10 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.add_bos = add_bos  # prepend BOS ourselves (GGUF); tokenizer.json post-processors do their own
-        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        added = backend.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._special_text = special_text_pattern([t.content for t in added.values() if t.special])
+        self._as_text: HFTokenizer | None = None  # a copy that reads special-token text as text
 
     @property
     def vocab_size(self) -> int:
@@ -86,6 +90,32 @@ class Tokenizer:
             eos_token=self._text(self._first_eos()),
             **(variables or {}),
         )
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
+    ) -> RenderedChat:
+        """apply_chat_template's text, with where the contents lie when one holds special-token
+        text (models/chat_spans.py: such text stays text when encode_chat tokenizes it)."""
+        render = lambda turns: self.apply_chat_template(turns, add_generation_prompt, variables)  # noqa: E731
+        return render_with_spans(render, messages, self._special_text)
+
+    def encode_chat(self, chat: RenderedChat, add_special_tokens: bool = False) -> list[int]:
+        """A rendered chat's ids: the template's text as encode() reads it, the contents' spans
+        with special tokens read as text."""
+        if not chat.spans:
+            return self.encode(chat.text, add_special_tokens)
+        if self._as_text is None:
+            self._as_text = HFTokenizer.from_str(self.backend.to_str())
+            self._as_text.encode_special_tokens = True
+        ids, at = self.encode("", add_special_tokens), 0  # the BOS a post-processor or add_bos puts first
+        for start, end in chat.spans:
+            ids += self.backend.encode(chat.text[at:start], add_special_tokens=False).ids
+            ids += self._as_text.encode(chat.text[start:end], add_special_tokens=False).ids
+            at = end
+        return ids + self.backend.encode(chat.text[at:], add_special_tokens=False).ids
 
     def _first_eos(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from cadenza import LLM, SamplingParams
-from cadenza.messages import EngineRequest
+from cadenza.actors.block_pool import BlockPool
+from cadenza.actors.kv_cache_manager import KVCacheManager
+from cadenza.actors.request import Request
+from cadenza.actors.scheduler import Scheduler
+from cadenza.messages import EngineRequest, ModelRunnerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -110,3 +116,80 @@ def test_n_sequences_share_prompt_blocks(tiny_model, n: int) -> None:
     assert [c.index for c in out.outputs] == list(range(n))
     assert len({tuple(c.token_ids) for c in out.outputs}) == n  # distinct samples
     assert llm.stats().kv_cache.hits == 32 * (n - 1)  # followers reuse the leader's full blocks
+
+
+class SteppedClock:
+    """The scheduler's clock for aging: the test moves it one second per step."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _bare_scheduler(aging_s: float, num_blocks: int = 64, max_num_seqs: int = 1) -> tuple[Scheduler, SteppedClock]:
+    clock = SteppedClock()
+    kv = KVCacheManager(BlockPool(num_blocks), 4, False)
+    return Scheduler(kv, max_num_seqs, 64, 64, priority_aging_s=aging_s, clock=clock), clock
+
+
+def _queue(s: Scheduler, rid: str, priority: int, prompt_len: int = 4, max_tokens: int = 2) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    req = EngineRequest(request_id=rid, prompt_token_ids=[1] * prompt_len, sampling_params=params, priority=priority)
+    s.add_request(Request(req, (), next(_arrivals)))
+    return s.requests[rid]
+
+
+_arrivals = itertools.count(1)
+
+
+def _step(s: Scheduler) -> list[str]:
+    """One step, each scheduled request sampling token 5 once its prompt is in; returns the
+    requests it admitted, in order."""
+    so = s.schedule()
+    done = {
+        rid: [5]
+        for rid, n in so.num_scheduled_tokens.items()
+        if s.requests[rid].num_planned_tokens + n >= s.requests[rid].num_tokens
+    }
+    s.update(so, ModelRunnerOutput(sampled=done))
+    return [r.req_id for r in so.new_requests]
+
+
+@pytest.mark.parametrize("aging_s", [1.0, 0.0])
+def test_low_priority_work_completes_under_a_steady_stream_of_urgent_work(aging_s: float) -> None:
+    """One slot; an interactive request (0) arrives every step and takes two (prompt, then
+    one decode), so urgent work alone would fill the queue forever. Batch work at 10, one
+    level per second of waiting, goes right after the ten urgent requests that arrived in its
+    first ten seconds, ahead of every later one; strict priority (aging off) starves it."""
+    s, clock = _bare_scheduler(aging_s)
+    _queue(s, "batch", priority=10)
+    admitted: list[str] = []
+    for step in range(60):
+        clock.now = float(step)
+        _queue(s, f"urgent-{step}", priority=0)
+        admitted += _step(s)
+    s.check_invariants()
+    if aging_s:
+        assert admitted.index("batch") == 10 and admitted[:10] == [f"urgent-{i}" for i in range(10)]
+        assert "batch" not in s.requests  # finished
+    else:
+        assert "batch" not in admitted and len(s.waiting) > 25
+
+
+@pytest.mark.parametrize(("aging_s", "victim", "survivor"), [(1.0, "urgent", "batch"), (0.0, "batch", "urgent")])
+def test_preemption_spares_work_that_has_aged(aging_s: float, victim: str, survivor: str) -> None:
+    """The victim is chosen by the same rank: batch work (10) admitted at 0 s has waited more
+    than its ten levels when urgent work (0) arrives at 20 s, so when the pool runs dry the
+    newcomer is preempted; under strict priority (aging off) the batch work is."""
+    s, clock = _bare_scheduler(aging_s, num_blocks=4, max_num_seqs=2)
+    _queue(s, "batch", priority=10, max_tokens=12)
+    _step(s)
+    clock.now = 20.0
+    _queue(s, "urgent", priority=0, max_tokens=12)
+    for _ in range(5):  # the fifth: batch's ninth token needs its third block, and all four are taken
+        _step(s)
+    assert (s.requests[victim].num_preemptions, s.requests[survivor].num_preemptions) == (1, 0)
+    assert [r.request_id for r in s.running] == [survivor]
+    s.check_invariants()

@@ -69,3 +69,37 @@ def _request(rid: str, prompt: dict, priority: int):  # noqa: ANN202
     return EngineRequest(
         request_id=rid, prompt_token_ids=prompt["prompt_token_ids"], sampling_params=GREEDY, priority=priority
     )
+
+
+def test_a_tenant_never_replaces_another_tenants_pin() -> None:
+    pool = BlockPool(10)
+    pins = SessionPins(pool, max_blocks=8, ttl_s=5.0)
+    a, b = pool.allocate(2), pool.allocate(2)
+    pins.pin("chat", a, tenant="alice")
+    pins.pin("chat", b, tenant="bob")  # the same prompt_cache_key, another tenant
+    assert pins.pinned("chat", "alice") == [blk.block_id for blk in a]
+    assert pins.pinned("chat", "bob") == [blk.block_id for blk in b]
+    pins.unpin("chat", "bob")
+    assert pins.pinned("chat", "alice") == [blk.block_id for blk in a]
+    pins.check_invariants()
+
+
+def test_pins_are_bounded_per_tenant_and_in_all_even_when_they_own_no_blocks() -> None:
+    pool = BlockPool(10)
+    pins = SessionPins(pool, max_blocks=8, ttl_s=5.0, max_sessions=5, max_sessions_per_tenant=3)
+    prompt = pool.allocate(2)  # one system prompt every session shares: a pin adds no blocks of its own
+    for i in range(10):
+        pins.pin(f"s{i}", prompt, tenant="alice")
+    assert pins.sessions_of("alice") == 3 and pins.pinned("s9", "alice") and not pins.pinned("s6", "alice")
+    for i in range(2):
+        pins.pin(f"s{i}", prompt, tenant="bob")
+    assert pins.sessions_of("alice") == 3 and pins.sessions_of("bob") == 2  # bob took nothing of alice's
+    pins.pin("s2", prompt, tenant="carol")  # past max_sessions: the least recently pinned gives way
+    assert pins.num_sessions == 5 and pins.sessions_of("alice") == 2 and not pins.pinned("s7", "alice")
+    pins.pin("empty", [], tenant="carol")  # holds nothing: not kept, so not counted
+    assert pins.num_sessions == 5 and pins.sessions_of("carol") == 1
+    pins.check_invariants()
+    pins.clear()
+    pool.release(prompt)
+    assert pool.num_free_blocks == 10
+    pool.check_invariants()

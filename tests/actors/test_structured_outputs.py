@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import uuid
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
+import cadenza.structured_outputs as structured_outputs
 from cadenza import LLM, SamplingParams
 from cadenza.actors.grammar_matchers import GrammarError, GrammarMatchers, GrammarQuery
+from cadenza.messages import EngineRequest
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
 from cadenza.structured_outputs import StructuredOutputs
 
@@ -124,17 +128,53 @@ def test_regex_choice_and_grammar_on_smollm(smollm) -> None:
 @pytest.mark.parametrize(
     "fields,message",
     [
-        ({"json": {"type": "objectz"}}, "invalid JSON schema"),
-        ({"regex": "a(b"}, "invalid regex"),
         ({"json": "{not json"}, "not JSON"),
         ({"regex": "a", "choice": ["a"]}, "exactly one"),
         ({"choice": []}, "at least one"),
+    ],
+)
+def test_malformed_grammars_are_refused_when_made(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputs(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"json": {"type": "objectz"}}, "invalid JSON schema"),
+        ({"regex": "a(b"}, "invalid regex"),
         ({"grammar": "start: ("}, "invalid grammar"),
     ],
 )
-def test_bad_grammars_are_refused_when_made(fields: dict, message: str) -> None:
+def test_grammars_compile_on_check_not_when_made(fields: dict, message: str, monkeypatch) -> None:
+    """Made while msgspec decodes a request body (on the gateway's loop): nothing compiles
+    there; check() compiles, and LLM.generate refuses before any work."""
+    compiles = _count_compiles(monkeypatch)
+    spec = StructuredOutputs(**fields)
+    assert compiles == []
     with pytest.raises(ValueError, match=message):
-        StructuredOutputs(**fields)
+        spec.check()
+    assert len(compiles) == 1
+
+
+def _count_compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    compiles: list[str] = []
+    real = structured_outputs.validate_grammar
+    monkeypatch.setattr(structured_outputs, "validate_grammar", lambda g: compiles.append(g) or real(g))
+    return compiles
+
+
+def test_a_repeated_grammar_is_compiled_once_whatever_asked_for_it(monkeypatch) -> None:
+    compiles = _count_compiles(monkeypatch)
+    regex = f"id-{uuid.uuid4().hex}-[0-9]{{3}}"  # new to this process's verdict cache
+    for source in ("response_format", "guided_regex", "structured_outputs"):
+        StructuredOutputs(regex=regex, source=source).check()
+    assert len(compiles) == 1
+    bad = f"({uuid.uuid4().hex}"
+    for source in ("guided_regex", "structured_outputs"):  # a refusal names its own source
+        with pytest.raises(ValueError, match=f"^{source}: invalid regex"):
+            StructuredOutputs(regex=bad, source=source).check()
+    assert len(compiles) == 2
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +225,108 @@ def test_json_valid_scheduling_ahead(random_model: Path) -> None:
     _assert_valid(replies, PERSON)
     plain = LLM(str(random_model), num_blocks=256)
     assert replies == [o.outputs[0].text for o in plain.generate(PROMPTS[:6], params)]
+
+
+class _Gate:
+    entered: threading.Event  # a slow mask has begun
+    opened: threading.Event  # slow masks may end
+
+    def __init__(self) -> None:
+        self.entered, self.opened = threading.Event(), threading.Event()
+
+
+def _count_engine_compiles(
+    monkeypatch: pytest.MonkeyPatch, slow_regex: str = "", gate: _Gate | None = None
+) -> list[str]:
+    """Counts GrammarMatchers' compiles; the grammar slow_regex compiles to a matcher whose
+    masks wait until `gate` opens."""
+    compiles: list[str] = []
+    real = GrammarMatchers._compile
+
+    def compile_counted(self: GrammarMatchers, spec: StructuredOutputs):  # noqa: ANN202
+        compiles.append(spec.digest())
+        matcher = real(self, spec)
+        return _SlowMatcher(matcher, gate) if spec.regex == slow_regex else matcher
+
+    monkeypatch.setattr(GrammarMatchers, "_compile", compile_counted)
+    return compiles
+
+
+class _SlowMatcher:
+    """An LLMatcher whose masks are never ready until `gate` opens: a grammar too slow for
+    its step."""
+
+    def __init__(self, inner, gate: _Gate) -> None:  # noqa: ANN001
+        self.inner, self.gate = inner, gate
+
+    def deep_copy(self) -> _SlowMatcher:
+        return _SlowMatcher(self.inner.deep_copy(), self.gate)
+
+    def compute_bitmask(self) -> bytes:
+        self.gate.entered.set()
+        self.gate.opened.wait()
+        return self.inner.compute_bitmask()
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def test_n_children_share_one_compile(matchers: GrammarMatchers, monkeypatch) -> None:
+    compiles = _count_engine_compiles(monkeypatch)
+    regex = f"n-{uuid.uuid4().hex[:8]}-[0-9]{{2}}"
+    # Each child arrives with its own copy of the params (decoded from its own EngineRequest).
+    queries = [
+        GrammarQuery(f"n-{i}", SamplingParams(structured_outputs=StructuredOutputs(regex=regex)), []) for i in range(3)
+    ]
+    masks = matchers.masks(queries)
+    assert all(isinstance(m, list) for m in masks.values())
+    assert len(compiles) == 1
+    matchers.masks([GrammarQuery("later", SamplingParams(structured_outputs=StructuredOutputs(regex=regex)), [])])
+    assert len(compiles) == 1  # a later request with the same grammar copies the compiled one
+    for q in queries:
+        matchers.drop(q.req_id)
+
+
+def test_a_slow_mask_fails_its_own_request_and_the_step_goes_on(matchers: GrammarMatchers, monkeypatch) -> None:
+    slow, gate = f"slow-{uuid.uuid4().hex[:8]}", _Gate()
+    _count_engine_compiles(monkeypatch, slow, gate)
+    timed = GrammarMatchers(matchers._tokenizer, matchers._eos, overlap=True, mask_timeout_s=0.05)
+    timed.lltokenizer = matchers.lltokenizer  # built once per test module
+    params = {
+        name: SamplingParams(structured_outputs=StructuredOutputs(regex=r))
+        for name, r in (("slow", slow), ("fast", "[a-z]+"))
+    }
+    try:
+        pending = timed.start([GrammarQuery("slow", params["slow"], []), GrammarQuery("fast", params["fast"], [])])
+        assert gate.entered.wait(timeout=60)  # the thread is in the slow mask
+        step = timed.join(pending)
+        assert isinstance(step["slow"], GrammarError) and "grammar_mask_timeout_s" in str(step["slow"])
+        assert isinstance(step["fast"], list)  # not reached by the stuck thread: computed inline
+        again = timed.join(timed.start([GrammarQuery("fast", params["fast"], _ids("abc"))]))  # a fresh thread
+        assert isinstance(again["fast"], list) and again["fast"][0].sum() > 0
+    finally:
+        gate.opened.set()
+
+
+def test_a_slow_grammar_fails_alone_in_the_engine(random_model: Path, monkeypatch) -> None:
+    """In the engine: the slow request ends with the time box's error; a plain request and
+    another grammar's, sampled in the same steps, complete."""
+    slow, gate = f"slow-{uuid.uuid4().hex[:8]}", _Gate()
+    _count_engine_compiles(monkeypatch, slow, gate)
+    llm = LLM(str(random_model), num_blocks=256, grammar_mask_timeout_s=1.0)
+    grammars = {"slow": StructuredOutputs(regex=slow), "choice": StructuredOutputs(choice=["yes", "no"]), "plain": None}
+    # The vocabulary's index and the choice's grammar built first, outside the time box.
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, structured_outputs=grammars["choice"]), use_tqdm=False)
+    try:
+        for name, grammar in grammars.items():
+            params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=grammar)
+            llm.engine.add_request(
+                EngineRequest(request_id=name, prompt_token_ids=_ids(PROMPTS[0]), sampling_params=params)
+            )
+        ended = {}
+        while llm.engine.has_unfinished():
+            ended |= {out.request_id: out for out in llm.engine.step() if out.finish_reason}
+        assert ended["slow"].finish_reason == "error" and "grammar_mask_timeout_s" in ended["slow"].error
+        assert ended["plain"].finish_reason == "length" and ended["choice"].finish_reason == "stop"
+    finally:
+        gate.opened.set()

@@ -36,3 +36,20 @@ def test_the_salt_is_the_key_and_cache_salt_together() -> None:
     assert tenant_salt("k", None) == tenant_salt("k", None) != tenant_salt("k", "s")
     assert tenant_salt("k", "s") != tenant_salt(None, "s") != tenant_salt("other", "s")
     assert "k" not in tenant_salt("k", None)  # a digest, never the key itself
+
+
+def test_tenants_naming_the_same_session_pin_their_own_prefix(tiny_model) -> None:
+    llm = LLM(str(tiny_model()[0]), num_blocks=64, max_pinned_fraction=0.5)
+    alice, bob = tenant_salt("alice-key", None), tenant_salt("bob-key", None)
+    for rid, salt in (("a1", alice), ("b1", bob)):  # the same prompt_cache_key, "chat"
+        llm.engine.add_request(
+            EngineRequest(
+                request_id=rid, prompt_token_ids=PREFIX + [70], sampling_params=GREEDY, cache_salt=salt,
+                session_id="chat",
+            )
+        )  # fmt: skip
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    pins = llm.engine.kv.pins
+    assert len(pins.pinned("chat", alice)) == 4 and len(pins.pinned("chat", bob)) == 4  # bob's did not replace
+    assert set(pins.pinned("chat", alice)).isdisjoint(pins.pinned("chat", bob))  # nor share a block

@@ -14,17 +14,14 @@ import textwrap
 
 # Run in a child process: the test session may already hold a Ray instance (ray_cluster), and
 # it is this process tree's sockets we list. The child gets a fresh Ray temp dir (RAY_TMPDIR:
-# session files and ray_current_cluster, which address="auto" reads) and no RAY_ADDRESS, and its
-# address="auto" does not see other Ray instances on this machine (it also scans the process
-# table for GCS servers), so ensure_ray starts a local instance as `cadenza serve` does.
+# its session files) and no RAY_ADDRESS, so ensure_ray starts a private instance as `cadenza
+# serve` does, whatever other Ray instances run on this machine.
 CHILD = textwrap.dedent(
     """
-    import functools, json, os, sys, time
+    import json, os, sys, time
     import psutil
     import ray
-    import ray._private.services as services
 
-    services.find_gcs_addresses = functools.cache(frozenset)  # no other Ray instance is seen
     from cadenza.actors.local_ray import ensure_ray
 
     ensure_ray(1)

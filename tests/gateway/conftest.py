@@ -133,9 +133,10 @@ class PacedEngine:
 @contextlib.contextmanager
 def launch_server(args: list[str], log_name: str) -> Iterator[Server]:
     """A real `cadenza serve` subprocess with these flags, once /health says ok; it joins the
-    session's Ray instance, so only the model load is paid."""
+    session's Ray instance when this process holds one (named: a server joins no cluster by
+    itself), so only the model load is paid."""
     port = free_port()
-    cmd = [sys.executable, "-m", "cadenza.cli.main", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "cadenza.cli.main", "serve", "--port", str(port), *_session_ray(), *args]
     ARTIFACTS.mkdir(exist_ok=True)
     log = open(ARTIFACTS / log_name, "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -150,6 +151,12 @@ def launch_server(args: list[str], log_name: str) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+def _session_ray() -> list[str]:
+    import ray
+
+    return ["--ray-address", ray.get_runtime_context().gcs_address] if ray.is_initialized() else []
 
 
 def _wait_healthy(srv: Server, log_name: str) -> None:

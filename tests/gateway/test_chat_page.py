@@ -28,9 +28,13 @@ def _connected_page(server) -> Iterator:  # noqa: ANN001 - the gateway conftest'
         browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
+            # The page runs under its Content-Security-Policy: anything it blocks is a bug.
+            blocked: list[str] = []
+            page.on("console", lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None)
             page.goto(f"{server.http}/?key={API_KEY}")
             expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
             yield page
+            assert not blocked, blocked
         finally:
             browser.close()
 
@@ -120,3 +124,24 @@ def test_chat_page_resumes_after_a_forced_socket_close(server) -> None:
         # and a sampled reply may end on some.
         assert stored["output"][0]["content"][0]["text"].rstrip("\n") == shown
         expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+
+
+@pytest.mark.slow
+def test_leaving_the_page_cancels_its_background_response(server) -> None:
+    """Background responses outlive their socket (for resume), so the page cancels its own
+    when the tab closes or navigates away."""
+    import time
+
+    from playwright.sync_api import expect
+
+    with _connected_page(server) as page:
+        page.fill("#input", "Write a very long story about a castle and its many rooms.")
+        page.keyboard.press("Enter")
+        reply = page.locator(".msg.assistant").nth(0)
+        expect(reply).to_contain_text(re.compile(r"\w+\W+\w+"), timeout=120_000)
+        response_id = page.evaluate("active.id")
+        page.goto("about:blank")
+        deadline = time.monotonic() + 60  # hang guard only
+        while server.get(f"/v1/responses/{response_id}")["status"] == "in_progress" and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert server.get(f"/v1/responses/{response_id}")["status"] == "cancelled"

@@ -522,7 +522,7 @@ def test_sigterm_drains_and_exits_0(tokenizer: Any) -> None:
 def test_a_stream_cancelled_before_its_first_chunk_gives_its_place_back() -> None:
     """The client left before the response started: the SSE generator never runs (so its own
     `finally` never does), yet the admission place is released."""
-    from cadenza.gateway.openai_http import ReleasingStream
+    from cadenza.gateway.send_deadline import SseStream
 
     released, started = [], []
 
@@ -537,7 +537,7 @@ def test_a_stream_cancelled_before_its_first_chunk_gives_its_place_back() -> Non
         raise OSError("the client is gone")
 
     async def run() -> None:
-        response = ReleasingStream(chunks(), lambda: released.append(True))
+        response = SseStream(chunks(), GUARD_S, lambda: released.append(True))
         with contextlib.suppress(Exception):  # starlette reports it as ClientDisconnect
             await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
 

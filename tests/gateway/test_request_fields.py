@@ -126,6 +126,10 @@ def test_every_openai_request_field_is_accepted(paced: str, path: str, params: t
         ("logit_bias", {"abc": 1}, "logit_bias keys must be token ids"),
         ("logit_bias", {"5": 101}, "logit_bias values must be in"),
         ("logit_bias", {"999999": 1}, "logit_bias token ids must be in"),
+        ("logit_bias", {str(t): 1 for t in range(301)}, "at most 300 logit_bias entries (max_logit_bias)"),
+        ("allowed_token_ids", list(range(16385)), "(max_allowed_token_ids)"),
+        ("bad_words", [f"w{i}" for i in range(129)], "at most 128 bad_words (max_bad_words)"),
+        ("bad_words", [" word" * 40], "at most 32 tokens (max_bad_word_tokens)"),
         ("no_such_field", 1, "no_such_field"),
     ],
 )

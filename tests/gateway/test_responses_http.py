@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import tracemalloc
 
 import openai
 import pytest
@@ -129,7 +130,7 @@ def test_response_log_bounds() -> None:
         assert logs.get("a") is None and logs.get("b") is b and len(logs) == 2
         for i in range(5):
             b.append({"type": "x", "i": i})
-        assert [e["sequence_number"] for e in b.events] == [0, 1, 2] and b.overflowed
+        assert [json.loads(data)["sequence_number"] for _, data in b.events] == [0, 1, 2] and b.overflowed
         with pytest.raises(ReplayError, match="response_log_max_events"):
             [e async for e in b.follow(0)]
         logs.ttl_s = 0
@@ -138,3 +139,61 @@ def test_response_log_bounds() -> None:
         assert logs.get("b") is None
 
     asyncio.run(run())
+
+
+def test_response_log_is_bounded_in_bytes() -> None:
+    """Each response within its own share (past it, it streams on unrecorded), all together
+    within the total: the oldest finished go first, and running ones past it stop recording."""
+    big = "x" * 10_000  # an event of ~10 KB
+
+    async def run() -> None:
+        logs = ResponseLogs(max_size=100, ttl_s=60, max_events=10**6, max_bytes=200_000, max_response_bytes=50_000)
+        first = logs.open("first")
+        numbered = [first.append({"type": "delta", "delta": big}) for _ in range(10)]
+        assert [e["sequence_number"] for e in numbered] == list(range(10))  # every event still streams
+        assert len(first.events) == 4 and first.overflowed and first.bytes <= 50_000
+        first.finish()
+        for i in range(10):
+            log = logs.open(f"r{i}")
+            for _ in range(4):
+                log.append({"type": "delta", "delta": big})
+            log.finish()
+            assert logs.bytes <= 200_000 and not log.overflowed
+        assert logs.get("first") is None and logs.get("r9") is not None  # the oldest finished went first
+        live = [logs.open(f"live{i}") for i in range(6)]
+        for log in live:
+            for _ in range(4):
+                log.append({"type": "delta", "delta": big})
+        assert logs.bytes <= 200_000 and not live[0].overflowed and live[-1].overflowed
+        assert all(logs.get(f"live{i}") is log for i, log in enumerate(live))  # running: never dropped
+        assert sum(log.bytes for log in live) == logs.bytes
+
+    asyncio.run(run())
+
+
+def test_response_log_memory_stays_under_its_bound_with_large_bodies() -> None:
+    """Measured, not estimated: what the logs hold, in Python's own allocations."""
+    bound = 4_000_000
+    big, small = "y" * 300_000, "z"
+    deltas = [{"type": "response.output_text.delta", "delta": small, "cadenza": {"token_ids": [7]}}] * 4000
+
+    async def run() -> ResponseLogs:
+        logs = ResponseLogs(max_size=256, ttl_s=60, max_events=10**6, max_bytes=bound, max_response_bytes=bound // 2)
+        for i in range(40):  # 40 x (3 echoes of a 300 KB request + 4000 token events)
+            log = logs.open(f"r{i}")
+            for kind in ("response.created", "response.in_progress"):
+                log.append({"type": kind, "response": {"id": f"r{i}", "instructions": big}})
+            for delta in deltas:
+                log.append(delta)
+            log.append({"type": "response.completed", "response": {"id": f"r{i}", "instructions": big}})
+            log.finish()
+        return logs
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        logs = asyncio.run(run())
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert logs.bytes <= bound and held <= bound * 1.1

@@ -23,6 +23,7 @@ from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
 from cadenza.models.chat_template import render_chat
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
+from cadenza.models.tokenizer import Tokenizer
 from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 GUARD_S = 30  # hang guard only: every wait below ends on an event, never on a clock
@@ -217,6 +218,8 @@ class StrictTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    render_chat = Tokenizer.render_chat  # through this class's apply_chat_template
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None
     ) -> str:
@@ -355,17 +358,13 @@ def test_a_cancel_that_meets_a_completing_send_is_not_lost() -> None:
     """The send completes in the same loop turn as the response is cancelled (a closed socket's
     stop_all): asyncio.wait_for on Python 3.11 returned the send's result and dropped the
     cancel, and the response streamed on to its end, holding its place and KV."""
-    from cadenza.gateway.responses_ws import ResponsesSocket
+    from cadenza.gateway.send_deadline import send_within
 
-    class InstantSocket:
-        async def send_text(self, text: str) -> None:
-            return None
-
-    socket = ResponsesSocket.__new__(ResponsesSocket)
-    socket.ws = InstantSocket()
+    async def instant_send() -> None:
+        return None
 
     async def run() -> bool:
-        task = asyncio.ensure_future(socket.send_within("{}", 5.0))
+        task = asyncio.ensure_future(send_within(instant_send(), 5.0))
         await asyncio.sleep(0)  # the send is scheduled; it completes before the task resumes
         task.cancel()
         try:

@@ -1,0 +1,57 @@
+"""Issue #38's smaller findings, over a real uvicorn socket with an engine double: the
+Responses API over HTTP bounds its input like the websocket does, and the chat page carries a
+Content-Security-Policy that admits exactly its own inline script and style."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from conftest import PacedEngine, free_port, serve_in_thread
+
+from cadenza.gateway.app import build_app
+from cadenza.gateway.settings import GatewaySettings
+from cadenza.models.loader import DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[str]:
+    settings = GatewaySettings(port=free_port(), max_messages=3)
+    with serve_in_thread(build_app(PacedEngine(pace=0.001), DEFAULT_MODEL, settings), settings.port):
+        yield f"http://127.0.0.1:{settings.port}"
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_responses_over_http_bound_the_input_messages(base: str) -> None:
+    turns = [{"role": "user", "content": "hi"}] * 4
+    status, body = _post(base + "/v1/responses", {"input": turns, "max_output_tokens": 2})
+    assert status == 400 and "(max_messages)" in body["error"]["message"]
+    status, _ = _post(base + "/v1/responses", {"input": turns[:3], "max_output_tokens": 2})
+    assert status == 200
+
+
+def _inline(page: str, tag: str) -> str:
+    body = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
+    return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+
+
+def test_the_chat_page_has_a_content_security_policy(base: str) -> None:
+    with urllib.request.urlopen(base + "/", timeout=30) as r:
+        policy, page = r.headers["Content-Security-Policy"], r.read().decode()
+    directives = dict(d.strip().split(" ", 1) for d in policy.split(";"))
+    assert directives["default-src"] == "'none'" and directives["frame-ancestors"] == "'none'"
+    assert directives["script-src"] == _inline(page, "script") and directives["style-src"] == _inline(page, "style")
+    assert "unsafe-inline" not in policy and directives["connect-src"] == "'self'"
