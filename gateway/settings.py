@@ -31,8 +31,8 @@ class GatewaySettings:
         waiting beyond those; once both are full a new response is refused at once with
         an `error` event (code `server_overloaded`, `retry_after_ms`).
     max_responses_per_socket: responses in flight (running or queued in lanes) per socket.
-    max_sockets_per_client: open websockets per client (its address, with its API key when
-        the server checks keys).
+    max_sockets_per_client: open websockets per client (its peer address; see
+        Admission.client).
     max_responses_per_client: responses in flight per client (as above), HTTP and websocket
         together; capped at one below max_concurrent_requests + max_queued_requests, so one
         client cannot take the whole server.
