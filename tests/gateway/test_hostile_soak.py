@@ -25,7 +25,7 @@ MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 QUESTIONS = ["Name three colours.", "What is the capital of France?", "Say hello in Spanish."]
 MAX_TOKENS = 24
-ROUNDS = 2  # requests per well-behaved client and phase
+ROUNDS = 3  # requests per well-behaved client and phase
 HANG_GUARD_S = 600
 NUM_BLOCKS = 2048  # the shared server's --num-blocks
 
@@ -161,15 +161,15 @@ ATTACKS: dict[str, Callable[[aiohttp.ClientSession, str], Awaitable[list[int]]]]
 
 
 async def attacker(base: str, done: asyncio.Event, statuses: Counter, by_attack: dict[str, Counter]) -> None:
-    """Every attack class in turn, again and again, until the well-behaved clients are done."""
+    """Every attack class in turn, whole passes, until the well-behaved clients are done."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        while not done.is_set():
+        while True:
             for name, attack in ATTACKS.items():
                 got = await attack(session, base)
                 statuses.update(got)
                 by_attack.setdefault(name, Counter()).update(got)
-                if done.is_set():
-                    return
+            if done.is_set():
+                return
 
 
 def _p99(gaps: list[float]) -> float | None:
