@@ -82,7 +82,9 @@ def test_the_shared_store_is_per_application_and_restarts_empty_when_killed(ray_
             assert [m["content"] for m in (await store.get("r2", "t")).messages] == ["a", "A", "b", "B"]
             assert await other.get("r1", "t") is None  # another application's store
             assert await store.stored_bytes() == sum(turn.size for turn in turns)
-            ray.kill(store.actor)  # for good: Ray will not restart it
+            killed = store.actor
+            ray.kill(killed)  # for good: Ray will not restart it
+            await _dead(killed)  # the kill is asynchronous: a call right after may still be answered
             assert await store.get("r2", "t") is None  # started again, empty
             await store.put(_turn("r3", "c"))
             assert await store.size() == 1 and (await store.get("r3", "t")).messages[0]["content"] == "c"
@@ -91,3 +93,16 @@ def test_the_shared_store_is_per_application_and_restarts_empty_when_killed(ray_
                 ray.kill(s.actor)
 
     asyncio.run(run())
+
+
+async def _dead(actor: object) -> None:
+    """Returns once calls to the killed actor fail (hang guard: 60 s)."""
+    import ray
+
+    for _ in range(600):
+        try:
+            await actor.size.remote()  # type: ignore[attr-defined]
+        except ray.exceptions.RayActorError:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the killed store actor still answers")
