@@ -13,6 +13,8 @@ from cadenza.gateway.settings import GatewaySettings
 
 # Retry hint sent with `server_overloaded`: roughly one short reply's worth of time.
 RETRY_AFTER_MS = 1000
+# The same hint as HTTP's Retry-After header (whole seconds, at least one).
+RETRY_AFTER = {"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))}
 
 
 class Admission:

@@ -95,7 +95,7 @@ class GrammarBudget:
         start: a grammar queued behind others is not judged slow (it may wait as long again
         for a thread, then is a 429), only one that ran out of time is remembered."""
         digest = spec.digest()  # ~1 ms for a 256 KiB schema
-        param = spec.source.split(".")[0]
+        param = _param(spec)
         if digest in self._slow:
             raise RequestError(self._slow[digest], "grammar_too_complex", param)
         loop, started = asyncio.get_running_loop(), asyncio.Event()
@@ -119,7 +119,7 @@ class GrammarBudget:
     def _judge(self, spec: StructuredOutputs, on_start: Callable[[], object]) -> None:
         """In a compile thread: the size cap, then the (cached) compile."""
         on_start()
-        param = spec.source.split(".")[0]
+        param = _param(spec)
         try:
             size = len(spec.llguidance_grammar().encode())
         except (ValueError, TypeError):
@@ -140,3 +140,8 @@ class GrammarBudget:
     def check_invariants(self) -> None:
         """For the tests."""
         assert self.in_flight == sum(self.clients.values()) >= 0, (self.in_flight, self.clients)
+
+
+def _param(spec: StructuredOutputs) -> str:
+    """The request field a refusal names (`response_format.json_schema` -> `response_format`)."""
+    return spec.source.split(".")[0]

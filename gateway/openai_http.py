@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import tool_choice
-from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.admission import RETRY_AFTER
 from cadenza.gateway.grammar_budget import GrammarPlace
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.logprob_entries import LogprobEntries, completion_logprobs
@@ -67,7 +67,7 @@ class OpenAIHttp:
         refused = admission.admit(client, body.stream)  # before the template and tokenizer run
         if refused is not None:
             code, message = refused
-            return error_response(429, message, code, **{"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})
+            return error_response(429, message, code, **RETRY_AFTER)
         prepared = False
         try:  # templates and tokenizers are CPU work: off the event loop every socket shares
             prompt_ids, params, tools = await asyncio.to_thread(self._prepare, body, chat)
@@ -162,7 +162,7 @@ def _refusal(error: Exception) -> Response:
     template that raises on it included), so a 4xx with the reason, never a 500."""
     if isinstance(error, RequestError):
         status = 404 if error.code == "model_not_found" else error.status
-        retry = {"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))} if status == 429 else {}
+        retry = RETRY_AFTER if status == 429 else {}
         return error_response(status, str(error), error.code, error.param, **retry)
     if not isinstance(error, ValueError):
         log.warning("preparing a request failed: %s: %s", type(error).__name__, error)

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cadenza.gateway import protocol as p
-from cadenza.gateway.admission import RETRY_AFTER_MS
+from cadenza.gateway.admission import RETRY_AFTER
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
 from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.response_events import ReplayError, ResponseEvents
@@ -149,7 +149,7 @@ async def _sse(log: ResponseEvents, after: int) -> AsyncGenerator[bytes | str, N
 
 def _too_many(refused: tuple[str, str]) -> Response:
     code, message = refused
-    return error_response(429, message, code, **{"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))})
+    return error_response(429, message, code, **RETRY_AFTER)
 
 
 def _not_found(request: Request) -> Response:
@@ -160,6 +160,6 @@ def _not_found(request: Request) -> Response:
 def _refusal(e: Exception) -> Response:
     if isinstance(e, RequestError):
         status = 404 if e.code in ("model_not_found", "previous_response_not_found") else e.status
-        retry = {"Retry-After": str(max(1, RETRY_AFTER_MS // 1000))} if status == 429 else {}
+        retry = RETRY_AFTER if status == 429 else {}
         return error_response(status, str(e), e.code, e.param, **retry)
     return error_response(400, f"the request could not be prepared: {e}", "invalid_request")

@@ -68,6 +68,17 @@ class Server:
     def engine_stats(self) -> dict:
         return self.get("/stats")["engine"]["engine"]
 
+    def settled_stats(self) -> dict:
+        """/stats once nothing is in flight (requests end asynchronously after their last event;
+        30 s at most, then as it is)."""
+        for _ in range(300):
+            stats = self.get("/stats")
+            engine = stats["engine"]["engine"]
+            if not stats["gateway"]["in_flight"] and not engine["num_running"] and not engine["num_waiting"]:
+                break
+            time.sleep(0.1)
+        return stats
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -177,16 +177,6 @@ def _p99(gaps: list[float]) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 1) if ordered else None
 
 
-async def _settled(server: Server) -> dict:
-    for _ in range(300):
-        stats = server.get("/stats")
-        engine = stats["engine"]["engine"]
-        if not stats["gateway"]["in_flight"] and not engine["num_running"] and not engine["num_waiting"]:
-            return stats
-        await asyncio.sleep(0.1)
-    return stats
-
-
 @pytest.mark.slow
 def test_hostile_soak(server: Server) -> None:
     clients = 3
@@ -203,7 +193,7 @@ def test_hostile_soak(server: Server) -> None:
     start = time.monotonic()
     (alone, _, _), (attacked, statuses, by_attack) = asyncio.run(_sequential(phase))
     elapsed = time.monotonic() - start
-    stats = asyncio.run(_settled(server))
+    stats = server.settled_stats()
     engine = stats["engine"]["engine"]
     report = {
         "well_behaved_streams": len(attacked.texts),

@@ -46,11 +46,11 @@ def tokenizer() -> Any:
 
 
 class GatedEngine(PacedEngine):
-    """PacedEngine that streams until its `gate` opens, then finishes with "stop" (when
+    """PacedEngine that streams `chunk` until its `gate` opens, then finishes with "stop" (when
     `gated`; otherwise it stops at max_tokens as PacedEngine does)."""
 
-    def __init__(self, tokenizer: Any, pace: float = 0.01, gated: bool = False) -> None:
-        self.pace, self.tokenizer, self.gated = pace, tokenizer, gated
+    def __init__(self, tokenizer: Any, pace: float = 0.01, gated: bool = False, chunk: str = "a") -> None:
+        self.pace, self.tokenizer, self.gated, self.chunk = pace, tokenizer, gated, chunk
         self.running, self.problem = 0, None
         self.gate = threading.Event()
 
@@ -60,7 +60,8 @@ class GatedEngine(PacedEngine):
             for i in range(10**9 if self.gated else params.max_tokens):
                 await asyncio.sleep(self.pace)
                 last = self.gate.is_set() if self.gated else i == params.max_tokens - 1
-                out = CompletionOutput(0, "a", [42], None, None, ("stop" if self.gated else "length") if last else None)
+                reason = ("stop" if self.gated else "length") if last else None
+                out = CompletionOutput(0, self.chunk, [42], None, None, reason)
                 yield RequestOutput(request_id, None, [], None, [out], last, 0, [RequestMetrics(time.time())])
                 if last:
                     return

@@ -195,17 +195,6 @@ async def killer(server, tally: Tally) -> None:  # noqa: ANN001
     os.kill(pid, signal.SIGKILL)
 
 
-async def _settled(server) -> dict:  # noqa: ANN001
-    """/stats once nothing is in flight (requests end asynchronously after their last event)."""
-    for _ in range(300):
-        stats = server.get("/stats")
-        engine = stats["engine"]["engine"]
-        if not stats["gateway"]["in_flight"] and not engine["num_running"] and not engine["num_waiting"]:
-            return stats
-        await asyncio.sleep(0.1)
-    return stats
-
-
 EXPECTED: dict[str, str] = {}
 
 
@@ -231,7 +220,7 @@ def test_soak_with_cancels_disconnects_bad_inputs_and_a_killed_worker(ray_cluste
         start = time.monotonic()
         tally = asyncio.run(soak(server))
         elapsed = time.monotonic() - start
-        stats = asyncio.run(_settled(server))
+        stats = server.settled_stats()
     engine = stats["engine"]
     ttfts = sorted(tally.ttfts)
     report = {

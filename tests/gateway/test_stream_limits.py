@@ -12,19 +12,18 @@ import http.client
 import json
 import select
 import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import PacedEngine, free_port, serve_in_thread
+from conftest import free_port, serve_in_thread
+from test_http_hardening import GatedEngine
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
-from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 GUARD_S = 60  # hang guard only: every wait below ends on an event or a condition
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}
@@ -37,30 +36,8 @@ def tokenizer() -> Any:
     return load_tokenizer(*read_model(DEFAULT_MODEL))
 
 
-class Endless(PacedEngine):
-    """Streams `chunk` until its gate opens (then one last delta, "stop")."""
-
-    def __init__(self, tokenizer: Any, chunk: str = "a", pace: float = 0.0) -> None:
-        self.tokenizer, self.chunk, self.pace = tokenizer, chunk, pace
-        self.running, self.problem = 0, None
-        self.gate = threading.Event()
-
-    async def generate(self, prompt: dict, params: Any, request_id: str, **_: Any) -> AsyncIterator[RequestOutput]:
-        self.running += 1
-        try:
-            while True:
-                await asyncio.sleep(self.pace)
-                last = self.gate.is_set()
-                out = CompletionOutput(0, self.chunk, [42], None, None, "stop" if last else None)
-                yield RequestOutput(request_id, None, [], None, [out], last, 0, [RequestMetrics(time.time())])
-                if last:
-                    return
-        finally:
-            self.running -= 1
-
-
 @contextlib.contextmanager
-def served(engine: Endless, **overrides: Any) -> Iterator[tuple[int, GatewayState]]:
+def served(engine: GatedEngine, **overrides: Any) -> Iterator[tuple[int, GatewayState]]:
     settings = GatewaySettings(port=free_port(), **overrides)
     app = build_app(engine, DEFAULT_MODEL, settings)
     try:
@@ -133,7 +110,7 @@ def test_a_stream_that_is_not_read_is_cut_and_gives_everything_back(tokenizer: A
     a background response): once a send waits past send_timeout_s its connection is dropped,
     its engine request aborted (the follower's background response runs on) and its places
     given back."""
-    engine = Endless(tokenizer, chunk=FLOOD)
+    engine = GatedEngine(tokenizer, pace=0.0, gated=True, chunk=FLOOD)
     with served(engine, send_timeout_s=0.5) as (port, state):
         sock = _stalled(port, STALLED_STREAMS[kind](port))
         try:
@@ -164,7 +141,7 @@ async def _read_stream(port: int, request: bytes, started: asyncio.Event) -> lis
 
 
 def test_streams_per_client_are_capped_and_given_back(tokenizer: Any) -> None:
-    engine = Endless(tokenizer, pace=0.01)
+    engine = GatedEngine(tokenizer, pace=0.01, gated=True)
 
     async def run(port: int, state: GatewayState) -> list[tuple[int, Any]]:
         held = [asyncio.Event(), asyncio.Event()]
