@@ -14,56 +14,14 @@ if not torch.cuda.is_available():  # Triton kernels run interpreted here; must p
 # dtype="auto" is bf16 on CPUs with native bf16 dot products: the suite compares fp32 against
 # transformers in fp32 on every machine (its servers and Ray workers inherit this too).
 os.environ.setdefault("CADENZA_CPU_AUTO_DTYPE", "float32")
+# Ray's worker processes and the servers the tests start import test doubles by name
+# (cadenza_testkit.faulty_engine): they inherit the folder pytest's `pythonpath` names.
+SUPPORT = str(Path(__file__).resolve().parent / "support")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH")) if p)
+
+from cadenza_testkit.tiny_models import build_tiny_hf  # noqa: E402
 
 from cadenza.models.loader import DEFAULT_MODEL, resolve_model_path  # noqa: E402
-
-TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
-
-# name -> (transformers config class, extra config fields)
-TINY_CONFIGS = {
-    "llama_mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
-    "llama_gqa_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "llama_mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)),
-    "qwen2_gqa_bias": (
-        "Qwen2Config",
-        dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False, head_dim=16, hidden_size=96),
-    ),
-    "mistral_gqa": (
-        "MistralConfig",
-        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
-    ),
-    "llama3_rope": (
-        "LlamaConfig",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=10000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-            ),
-        ),
-    ),
-}
-
-
-def build_tiny_hf(kind: str, directory: Path, seed: int = 0) -> torch.nn.Module:
-    """A random-weight HF model saved as an HF directory; weights scaled up so logits are peaked."""
-    import transformers
-
-    cls_name, extra = TINY_CONFIGS[kind]
-    config = getattr(transformers, cls_name)(**{**TINY, **extra})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.15) + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(directory)
-    return model
 
 
 @pytest.fixture(scope="session")

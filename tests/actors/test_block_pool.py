@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cadenza_testkit.tiny_models import POOL_MODEL
 
 from cadenza.actors.block_pool import BlockPool
 from cadenza.actors.engine_core import kv_bytes_per_block, num_kv_blocks
@@ -10,7 +11,6 @@ from cadenza.actors.kv_cache_manager import KVCacheManager, hash_block
 from cadenza.actors.request import Request
 from cadenza.config import EngineConfig
 from cadenza.messages import EngineRequest
-from cadenza.models.config import ModelConfig
 from cadenza.sampling_params import SamplingParams
 
 
@@ -170,7 +170,7 @@ def test_reset_cache_makes_cached_blocks_reusable_first() -> None:
     assert [b.block_id for b in pool.allocate(3)] == [0, 1, 2]  # warm (last freed first), then new
 
 
-TINY = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512, False)
+TINY = POOL_MODEL
 
 
 def test_pool_size_is_the_demand_capped_by_kv_cache_memory() -> None:

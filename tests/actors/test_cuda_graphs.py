@@ -3,21 +3,13 @@ ladder, padding to the next size, which size replays a batch, and outputs sliced
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
+from cadenza_testkit.graph_capture import stand_in_capture
 
-from cadenza.actors.cuda_graphs import DecodeGraphs, StepFn, capture_sizes, graph_size
+from cadenza.actors.cuda_graphs import DecodeGraphs, capture_sizes, graph_size
 
 NUM_SLOTS, PAD_SLOT, PAD_BLOCK, MAX_BLOCKS = 64, 63, 7, 4
-
-
-def stand_in_capture(step: StepFn, inputs: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """What a graph does, on the CPU: replay the captured step over the same (static) buffers."""
-    for buffer in inputs.values():
-        buffer.fill_(0)  # a capture reads whatever is there; the replay must not depend on it
-    return lambda: step(inputs)
 
 
 class ToyStep:

@@ -8,12 +8,12 @@ import os
 import signal
 
 import pytest
+from cadenza_testkit.faulty_engine import BREAK_FOR_GOOD, BREAK_SCHEDULER, SchedulerBreaksEngine
 
 from cadenza import LLM, AsyncLLM, SamplingParams
 from cadenza.actors import async_llm as async_llm_module
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.messages import EngineRequest
-from tests.actors.faulty_engine import BREAK_FOR_GOOD, BREAK_SCHEDULER, SchedulerBreaksEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest_serve import build_tiny_chat_model, free_port
+from cadenza_testkit.servers import free_port
+from cadenza_testkit.tiny_models import build_tiny_chat_model
 
 from cadenza.actors.local_ray import probe_gcs
 

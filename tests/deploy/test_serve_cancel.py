@@ -95,7 +95,7 @@ class WaitingPreparation:
 def waiting_replica(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(the app's URL, the file that holds its preparations while it exists)."""
     import ray
-    from conftest_serve import free_port
+    from cadenza_testkit.servers import free_port
     from ray import serve
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replica cannot import this file

@@ -45,14 +45,14 @@ def test_serve_config_validates_and_the_kuberay_manifest_embeds_it() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest_serve import build_tiny_chat_model
+    from cadenza_testkit.tiny_models import build_tiny_chat_model
 
     return build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
 
 
 @pytest.fixture(scope="module")
 def two_replicas(ray_cluster, tiny_chat_model: Path):  # noqa: ANN201
-    from conftest_serve import free_port
+    from cadenza_testkit.servers import free_port
     from ray import serve
 
     from cadenza.gateway.serve_app import SESSION_ROUTER, CadenzaDeployment

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ARTIFACTS, PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import ARTIFACTS, PacedEngine, free_port, serve_in_thread
 
 from cadenza.cli.main import main
 from cadenza.gateway.app import build_app

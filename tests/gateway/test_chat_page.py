@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 from collections.abc import Iterator
 
 import pytest
-from conftest import API_KEY, ARTIFACTS
-
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-
-
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "headless Chromium is needed: apt-get install chromium (make test does it)"
-    return path
+from cadenza_testkit.browser import CHROMIUM_ARGS, chromium_path
+from cadenza_testkit.servers import API_KEY, ARTIFACTS
 
 
 @contextlib.contextmanager
@@ -25,7 +17,7 @@ def _connected_page(server) -> Iterator:  # noqa: ANN001 - the gateway conftest'
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
             # The page runs under its Content-Security-Policy: anything it blocks is a bug.

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 import websockets
-from conftest import free_port, serve_in_thread
-from test_http_hardening import CHAT, GatedEngine
+from cadenza_testkit.servers import CHAT, GatedEngine, free_port, serve_in_thread
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings

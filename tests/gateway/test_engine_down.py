@@ -7,7 +7,7 @@ import json
 import urllib.error
 import urllib.request
 
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
 
 from cadenza.errors import EngineDeadError
 from cadenza.gateway.app import build_app

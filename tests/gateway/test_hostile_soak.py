@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
-from conftest import API_KEY, ARTIFACTS, Server
+from cadenza_testkit.servers import API_KEY, ARTIFACTS, Server
 
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

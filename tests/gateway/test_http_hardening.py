@@ -16,14 +16,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvicorn
 import websockets
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import CHAT, GatedEngine, free_port, serve_in_thread
 
 from cadenza.cli.main import build_parser
 from cadenza.gateway.app import build_app
@@ -31,42 +31,16 @@ from cadenza.gateway.header_timeout import H11HeadDeadline, head_deadline_protoc
 from cadenza.gateway.server import GatewayServer, settings_from_args, uvicorn_config
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
-from cadenza.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 GUARD_S = 60  # hang guard only
 KEY = "hardening-key"
 LIMIT = 4096
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     return load_tokenizer(*read_model(DEFAULT_MODEL))
-
-
-class GatedEngine(PacedEngine):
-    """PacedEngine that streams `chunk` until its `gate` opens, then finishes with "stop" (when
-    `gated`; otherwise it stops at max_tokens as PacedEngine does)."""
-
-    def __init__(self, tokenizer: Any, pace: float = 0.01, gated: bool = False, chunk: str = "a") -> None:
-        self.pace, self.tokenizer, self.gated, self.chunk = pace, tokenizer, gated, chunk
-        self.running, self.problem = 0, None
-        self.gate = threading.Event()
-
-    async def generate(self, prompt: dict, params: Any, request_id: str, **_: Any) -> AsyncIterator[RequestOutput]:
-        self.running += 1  # **_: cache_salt, sent with an API key
-        try:
-            for i in range(10**9 if self.gated else params.max_tokens):
-                await asyncio.sleep(self.pace)
-                last = self.gate.is_set() if self.gated else i == params.max_tokens - 1
-                reason = ("stop" if self.gated else "length") if last else None
-                out = CompletionOutput(0, self.chunk, [42], None, None, reason)
-                yield RequestOutput(request_id, None, [], None, [out], last, 0, [RequestMetrics(time.time())])
-                if last:
-                    return
-        finally:
-            self.running -= 1
 
 
 @contextlib.contextmanager
@@ -263,11 +237,11 @@ def test_the_chat_page_is_public_but_names_no_model_and_leaks_no_referer(port: i
 
 
 def test_the_chat_page_takes_the_key_once_and_keeps_it_out_of_the_address(port: int) -> None:
+    from cadenza_testkit.browser import CHROMIUM_ARGS, chromium_path
     from playwright.sync_api import expect, sync_playwright
-    from test_chat_page import CHROMIUM_ARGS, _chromium
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
         page = browser.new_page()
         for address in (f"/?lang=en#api_key={KEY}", f"/?api_key={KEY}&lang=en"):
             page.goto(f"http://127.0.0.1:{port}{address}")
@@ -486,14 +460,14 @@ def test_sigterm_drains_and_exits_0(tokenizer: Any) -> None:
     port = free_port()
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "from conftest import PacedEngine;"
+        "from cadenza_testkit.servers import PacedEngine;"
         "from cadenza.gateway.app import build_app;"
         "from cadenza.gateway.server import serve;"
         "from cadenza.gateway.settings import GatewaySettings;"
         "settings = GatewaySettings(port=int(sys.argv[2]), drain_timeout_s=0.3);"
         "serve(build_app(PacedEngine(pace=0.02), 'm', settings), settings)"
     )
-    here = str(Path(__file__).parent)
+    here = str(REPO / "tests" / "support")  # where cadenza_testkit lives
     process = subprocess.Popen([sys.executable, "-c", script, here, str(port)], cwd=REPO, env=os.environ.copy())
     try:
         deadline = time.monotonic() + GUARD_S * 3

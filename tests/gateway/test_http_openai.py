@@ -6,7 +6,7 @@ import json
 
 import openai
 import pytest
-from conftest import API_KEY
+from cadenza_testkit.servers import API_KEY
 
 from cadenza import SamplingParams
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 import websockets
-from conftest import API_KEY, Server, launch_server
+from cadenza_testkit.servers import API_KEY, Server, launch_server
 
 from cadenza import SamplingParams
 

@@ -7,7 +7,7 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import API_KEY, PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import API_KEY, PacedEngine, free_port, serve_in_thread
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import websockets
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -10,7 +10,7 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
 
 from cadenza import LLM, SamplingParams
 from cadenza.gateway.app import build_app

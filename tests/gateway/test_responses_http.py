@@ -12,7 +12,7 @@ import tracemalloc
 import openai
 import pytest
 import websockets
-from conftest import API_KEY, Server
+from cadenza_testkit.servers import API_KEY, Server
 
 from cadenza.gateway.response_events import ReplayError, ResponseLogs
 

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 import websockets
-from conftest import API_KEY, ARTIFACTS, launch_server
+from cadenza_testkit.servers import API_KEY, ARTIFACTS, launch_server
 
 from cadenza import SamplingParams
 

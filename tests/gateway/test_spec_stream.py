@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 import websockets
-from conftest import API_KEY, SPECULATIVE_CONFIG, free_port, serve_in_thread
+from cadenza_testkit.servers import API_KEY, SPECULATIVE_CONFIG, free_port, serve_in_thread
 from openai.types.responses.responses_server_event import ResponsesServerEvent
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import TypeAdapter

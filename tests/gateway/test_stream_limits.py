@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import free_port, serve_in_thread
-from test_http_hardening import GatedEngine
+from cadenza_testkit.servers import GatedEngine, free_port, serve_in_thread
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings

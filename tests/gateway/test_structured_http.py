@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
-from conftest import API_KEY, Server
+from cadenza_testkit.servers import API_KEY, Server
 
 MODEL = "SmolLM2-135M-Instruct"
 CITY = {

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import msgspec
 import openai
 import pytest
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.response_store import LocalStore, StoredResponse

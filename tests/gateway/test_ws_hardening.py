@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import websockets
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings

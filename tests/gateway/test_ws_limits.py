@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import websockets
-from conftest import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings

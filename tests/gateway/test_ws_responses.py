@@ -8,7 +8,7 @@ import time
 
 import pytest
 import websockets
-from conftest import API_KEY, MAX_FRAME_BYTES
+from cadenza_testkit.servers import API_KEY, MAX_FRAME_BYTES
 from openai import AsyncOpenAI
 from openai.types.responses.responses_server_event import ResponsesServerEvent
 from pydantic import TypeAdapter

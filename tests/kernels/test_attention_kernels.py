@@ -9,46 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cadenza_testkit.kernel_compare import DTYPES, within_2x
+from cadenza_testkit.paged_batches import HEADS, paged_batch
 
-from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.attention.reference import paged_attention_ref, paged_decode_attention_ref
 from cadenza.kernels.attention.triton_decode import decode_num_splits, paged_decode_attention_triton
 from cadenza.kernels.attention.triton_paged import paged_attention_triton
-from tests.kernels._compare import DEVICE, DTYPES, within_2x
-
-# (query heads, KV heads): GQA ratios 1, 3, 4 and 8.
-HEADS = [(2, 2), (6, 2), (4, 1), (16, 2)]
-
-
-def _paged_batch(
-    seq_lens: list[int], q_lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """q, k_cache, v_cache and metadata for requests with these contexts and query runs."""
-    num_heads, num_kv_heads = heads
-    blocks_per_req = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_req) + 1
-    order = (torch.randperm(num_blocks - 1) + 1).tolist()  # block 0 is never handed out
-    width = max(blocks_per_req)
-    tables = []
-    for n in blocks_per_req:
-        tables.append(order[:n] + [0] * (width - n))
-        order = order[n:]
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
-    k_cache[0], v_cache[0] = 8.0, 8.0
-    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE)
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long, device=DEVICE),  # attention does not write
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        seq_lens_tensor=torch.tensor(seq_lens, device=DEVICE),
-        block_tables=torch.tensor(tables, device=DEVICE),
-        num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),  # the leading 1-token runs
-    )
-    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), meta
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -60,7 +26,7 @@ def test_decode_attention(dtype: torch.dtype, heads: tuple[int, int], head_dim: 
     (the 1-token and 37-token requests then have empty partitions)."""
     torch.manual_seed(head_dim + block_size + heads[0])
     seq_lens = [37, 1, 300, 129]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * 4, heads, head_dim, block_size, dtype)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, [1] * 4, heads, head_dim, block_size, dtype)
     args = (meta.block_tables, meta.seq_lens_tensor, head_dim**-0.5)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, *args)
     exact = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), *args)
@@ -76,7 +42,7 @@ def test_mixed_batch_attention(dtype: torch.dtype, heads: tuple[int, int], head_
     a full prefill, and a prefix-cache hit (40 new tokens after 260 cached)."""
     torch.manual_seed(head_dim + block_size + heads[0])
     seq_lens, q_lens = [37, 129, 50, 133, 70, 300], [1, 1, 1, 5, 70, 40]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, q_lens, heads, head_dim, block_size, dtype)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, q_lens, heads, head_dim, block_size, dtype)
     meta.num_decodes = 2  # request 2 also has one query token but goes down the extend path
     scale = head_dim**-0.5
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
@@ -90,7 +56,7 @@ def test_prefill_only_batch(dtype: torch.dtype, heads: tuple[int, int]) -> None:
     """Full prefills of several lengths in one launch; each spans several row tiles."""
     torch.manual_seed(heads[0])
     seq_lens = [130, 17, 64, 2]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, seq_lens, heads, 64, 16, dtype)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, seq_lens, heads, 64, 16, dtype)
     ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
     exact = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     within_2x(paged_attention_triton(q, k_cache, v_cache, meta, 0.125), ref, exact)

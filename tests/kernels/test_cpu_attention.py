@@ -6,7 +6,7 @@ Decode (csrc/decode_attention.c) splits each row's context over the threads and 
 partial softmaxes; prefill/extend (csrc/prefill_attention.c) tiles queries and keys flash-
 style over the paged cache. Both read K/V in place through shuffled block tables, with block 0
 (table padding) full of 8.0 so a read past a context's end shows (tests/kernels/
-test_attention_kernels.py's _paged_batch). Shapes cover MHA, GQA and MQA; head_dim 64, 16,
+test_attention_kernels.py's paged_batch). Shapes cover MHA, GQA and MQA; head_dim 64, 16,
 40 and 12 (not a multiple of 8 or 6: the kernels' tails); block sizes 1, 16 and 32; contexts
 and query runs that end mid-block and mid-tile.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cadenza_testkit.paged_batches import paged_batch
 
 from cadenza.format_names import BF16_CPU_FLAGS, cpu_flags
 from cadenza.kernels.attention import cpu as attention_cpu
@@ -25,7 +26,6 @@ from cadenza.kernels.attention.reference import (
     paged_prefill_attention_ref,
 )
 from cadenza.kernels.cpu.bindings import PAGED_DECODE_ATTENTION, for_cache
-from tests.kernels.test_attention_kernels import _paged_batch
 
 pytestmark = pytest.mark.skipif(
     not attention_cpu.decode_attention_available(), reason="no C compiler: the CPU kernels cannot be built here"
@@ -68,7 +68,7 @@ def test_decode_rows_match_the_reference(
     """One-token contexts, mid-block ends, and contexts long enough to split in several."""
     torch.manual_seed(head_dim + block_size + heads[0])
     seq_lens = [1, 37, 700, 129, 16, 300]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * len(seq_lens), heads, head_dim, block_size, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, [1] * len(seq_lens), heads, head_dim, block_size, torch.float32)
     k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
     args = (meta.block_tables, meta.seq_lens_tensor, head_dim**-0.5)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, *args)
@@ -81,7 +81,7 @@ def test_decode_rows_match_the_reference(
 def test_every_split_plan_gives_the_same_answer(threads: int, seq_lens: list[int], cache_dtype: torch.dtype) -> None:
     """A lone long row splits up to 8 x threads ways; a big batch not at all."""
     torch.manual_seed(threads + len(seq_lens))
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * len(seq_lens), (9, 3), 64, 16, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, [1] * len(seq_lens), (9, 3), 64, 16, torch.float32)
     k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, 0.125)
     torch.testing.assert_close(_decode_with_threads(q, k_cache, v_cache, meta, threads), expected, **TOL)
@@ -99,7 +99,7 @@ def test_a_ragged_batch_matches_the_reference(
     torch.manual_seed(head_dim + block_size + heads[0])
     seq_lens = [37, 300, 50, 133, 40, 70, 333, 129, 34]
     q_lens = [1, 1, 5, 16, 17, 70, 100, 129, 33]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, q_lens, heads, head_dim, block_size, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, q_lens, heads, head_dim, block_size, torch.float32)
     k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
     scale = head_dim**-0.5
     expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
@@ -121,7 +121,7 @@ def test_a_long_prompt_in_chunks_matches_the_reference(threads: int, cache_dtype
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        q_all, k_cache, v_cache, meta = _paged_batch([1000], [1000], (9, 3), 64, 16, torch.float32)
+        q_all, k_cache, v_cache, meta = paged_batch([1000], [1000], (9, 3), 64, 16, torch.float32)
         k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
         for start in range(0, 1000, 384):
             end = min(1000, start + 384)
@@ -148,7 +148,7 @@ def test_bf16_products_err_as_bf16_inputs_do(heads: tuple[int, int], head_dim: i
     bf16-rounded q, K and V (mean and max within 1.5x and 2x), and not zero: the bf16 path ran.
     Elsewhere the flag is ignored: exactly the fp32 kernel."""
     torch.manual_seed(head_dim + heads[0])
-    q, k_cache, v_cache, meta = _paged_batch([333, 129], [100, 129], heads, head_dim, 16, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch([333, 129], [100, 129], heads, head_dim, 16, torch.float32)
     k_cache, v_cache = _narrowed(k_cache, v_cache, cache_dtype)
     scale, requests = head_dim**-0.5, [0, 1]
 
@@ -179,7 +179,7 @@ def test_the_prefill_kernel_writes_only_its_requests_rows() -> None:
     requests' rows are the reference's, every other row is left as it was."""
     torch.manual_seed(3)
     seq_lens, q_lens = [90, 40, 300], [20, 40, 64]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, q_lens, (6, 2), 64, 16, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, q_lens, (6, 2), 64, 16, torch.float32)
     q_strided = torch.cat([q, torch.randn_like(q)], dim=-1)[..., :64]  # as a view of a fused qkv would be
     assert not q_strided.is_contiguous()
     q_strided.copy_(q)
@@ -192,7 +192,7 @@ def test_the_prefill_kernel_writes_only_its_requests_rows() -> None:
 
 
 def test_the_prefill_kernel_refuses_what_it_cannot_read() -> None:
-    q, k_cache, v_cache, meta = _paged_batch([40], [40], (2, 2), 64, 16, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch([40], [40], (2, 2), 64, 16, torch.float32)
     with pytest.raises(ValueError, match="fp32 CPU"):
         attention_cpu.paged_prefill_attention_cpu(q.half(), k_cache, v_cache, meta, [0], 0.125, torch.empty_like(q))
     bf16 = k_cache.bfloat16(), v_cache.bfloat16()

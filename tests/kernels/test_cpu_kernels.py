@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cadenza_testkit.paged_batches import HEADS, paged_batch
 
 from cadenza.kernels import ops
 from cadenza.kernels.activation import silu_and_mul_ref
@@ -18,7 +19,6 @@ from cadenza.kernels.backend import host_backend
 from cadenza.kernels.cpu import bindings, build, decode_stack, elementwise, gemv
 from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from cadenza.kernels.rotary import rotary_ref
-from tests.kernels.test_attention_kernels import HEADS, _paged_batch
 
 pytestmark = pytest.mark.skipif(
     not attention_cpu.decode_attention_available(), reason="no C compiler: the CPU kernel cannot be built here"
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 def test_decode_rows_match_the_reference(heads: tuple[int, int], head_dim: int, block_size: int) -> None:
     torch.manual_seed(head_dim + block_size + heads[0])
     seq_lens = [37, 1, 300, 129, 16]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, [1] * 5, heads, head_dim, block_size, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, [1] * 5, heads, head_dim, block_size, torch.float32)
     args = (meta.block_tables, meta.seq_lens_tensor, head_dim**-0.5)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, *args)
     got = attention_cpu.paged_decode_attention_cpu(q, k_cache, v_cache, *args)
@@ -41,7 +41,7 @@ def test_a_mixed_batch_through_the_cpu_backend_matches_torch(monkeypatch: pytest
     """Decodes, a k+1 verification (short extend rows), a prefill and a prefix-cache extend."""
     torch.manual_seed(1)
     seq_lens, q_lens = [37, 129, 50, 133, 70, 300], [1, 1, 1, 5, 70, 40]
-    q, k_cache, v_cache, meta = _paged_batch(seq_lens, q_lens, (6, 2), 64, 16, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch(seq_lens, q_lens, (6, 2), 64, 16, torch.float32)
     expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
     monkeypatch.setenv("CADENZA_KERNELS", "cpu")
     meta.decode_plan = None  # the reference run above planned this batch already
@@ -50,7 +50,7 @@ def test_a_mixed_batch_through_the_cpu_backend_matches_torch(monkeypatch: pytest
 
 
 def test_the_kernel_refuses_what_it_cannot_read() -> None:
-    q, k_cache, v_cache, meta = _paged_batch([5], [1], (2, 2), 64, 16, torch.float32)
+    q, k_cache, v_cache, meta = paged_batch([5], [1], (2, 2), 64, 16, torch.float32)
     with pytest.raises(ValueError, match="fp32 CPU"):
         attention_cpu.paged_decode_attention_cpu(
             q.double(), k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, 0.125

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from cadenza_testkit.kernel_compare import DEVICE
 
 from cadenza.benchmarks import gpu_cases, gpu_check
-from tests.kernels._compare import DEVICE
 
 KERNELS = {
     "fused_add_rms_norm",

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from cadenza_testkit.kernel_compare import DEVICE, within_2x
 
 from cadenza.kernels import ops
 from cadenza.kernels.linear.triton_packed import TritonPackedLinear
@@ -17,7 +18,6 @@ from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
 from cadenza.kernels.quant.quantize import quantize_int4, quantize_int8, to_dense_kind
 from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
 from cadenza.kernels.quant.weight import PackedWeight
-from tests.kernels._compare import DEVICE, within_2x
 
 N = 40  # not a multiple of the N tile: the last tile is masked
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cadenza_testkit.hf_oracle import hf_logprobs
+from cadenza_testkit.tiny_models import TINY, TINY_CONFIGS
 
 from cadenza import LLM, SamplingParams
 from cadenza.kernels.cpu.decode_stack import decode_layers_available
-from tests.conftest import TINY, TINY_CONFIGS
-from tests.models.test_logits_vs_hf import hf_logprobs
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "torch", "triton"])

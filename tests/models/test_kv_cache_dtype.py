@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cadenza_testkit.hf_oracle import hf_logprobs, our_prompt_logprobs, worst_full_distribution_diff
+from cadenza_testkit.tiny_models import POOL_MODEL, TINY
 
 from cadenza import LLM, SamplingParams
 from cadenza.actors.engine_core import num_kv_blocks
 from cadenza.config import EngineConfig
 from cadenza.weight_format import WeightFormat
-from tests.actors.test_block_pool import TINY as POOL_MODEL
-from tests.conftest import TINY
-from tests.models.test_logits_vs_hf import hf_logprobs, our_prompt_logprobs, worst_full_distribution_diff
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from cadenza_testkit.tiny_models import TINY_CONFIGS
 
 from cadenza.models.loader import load_model
 from cadenza.models.shard import shard_model
 from cadenza.models.tp import TPGroup
 from cadenza.models.weights import ModelPart
 from cadenza.weight_format import WeightFormat
-from tests.conftest import TINY_CONFIGS
 
 FP32 = WeightFormat()
 LAYOUTS = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (tensor_parallel_size, pipeline_parallel_size)
