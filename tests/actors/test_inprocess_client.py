@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from cadenza_testkit.waiting import until
 
 from cadenza import InProcessClient, SamplingParams
 from cadenza.errors import EngineDeadError
@@ -50,7 +51,11 @@ def test_streams_equal_offline_and_cancelled_ones_free_their_blocks(client: InPr
         streams = [_text(client, p, params) for p in prompts]
         cancels = [_cancelled(client, p) for p in prompts[:2]]
         results = await asyncio.gather(*streams, *cancels)
-        await asyncio.sleep(0.2)  # the aborts land with the next lock turn
+        async def idle() -> bool:  # the aborts land with the next lock turn
+            engine = (await client.stats()).engine
+            return engine.kv_cache.num_free_blocks == NUM_BLOCKS and engine.num_running == 0
+
+        await until(idle, "the cancelled streams' blocks are free")
         return results[: len(prompts)], results[len(prompts) :]
 
     streamed, cancelled = asyncio.run(run())

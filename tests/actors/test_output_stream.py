@@ -8,6 +8,8 @@ import asyncio
 import os
 import stat
 
+from cadenza_testkit.waiting import until
+
 from cadenza.actors.output_stream import OutputServer, stream_batches
 from cadenza.messages import EngineOutput, OutputBatch
 
@@ -57,7 +59,7 @@ def test_batches_stream_in_order_and_a_reconnect_resumes_at_the_ack() -> None:
         for n in (1, 2, 3):
             published.publish(n)
         assert await _read(path, 0, 3) == [1, 2, 3]
-        await asyncio.sleep(0.05)
+        await until(lambda: published.acked == 3, "the server saw the client's ack")
         assert published.acked == 3 and not published.batches  # acknowledged, dropped
         for n in (4, 5):
             published.publish(n)

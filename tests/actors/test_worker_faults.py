@@ -9,6 +9,7 @@ import signal
 
 import pytest
 from cadenza_testkit.faulty_engine import BREAK_FOR_GOOD, BREAK_SCHEDULER, SchedulerBreaksEngine
+from cadenza_testkit.waiting import until
 
 from cadenza import LLM, AsyncLLM, SamplingParams
 from cadenza.actors import async_llm as async_llm_module
@@ -61,8 +62,11 @@ def test_sigkilled_worker_fails_running_keeps_waiting_and_serves_no_stale_prefix
         running = [asyncio.ensure_future(_slow_reader(llm, [7 + i, 8, 9], started)) for i in range(2)]
         await started.wait()
         waiting = [asyncio.ensure_future(_collect(llm, q, GREEDY)) for q in queued]
-        await asyncio.sleep(0.2)
-        assert (await llm.stats()).engine.num_waiting == 2
+
+        async def both_wait() -> bool:
+            return (await llm.stats()).engine.num_waiting == 2
+
+        await until(both_wait, "both requests wait behind the running two")
         os.kill(pid, signal.SIGKILL)
         errors = await asyncio.wait_for(asyncio.gather(*running), timeout=60)  # a hang guard
         assert all(isinstance(e, RequestFailedError) and "died" in str(e) for e in errors)

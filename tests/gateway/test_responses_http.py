@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import tracemalloc
 
 import openai
 import pytest
 import websockets
 from cadenza_testkit.servers import API_KEY, Server
+from cadenza_testkit.waiting import until
 
 from cadenza.gateway.response_events import ReplayError, ResponseLogs
 
@@ -96,7 +96,9 @@ def test_cut_websocket_background_response_resumes_over_http(server: Server, cli
 def test_background_response_is_cancelled_and_retrieved(client: openai.OpenAI) -> None:
     started = client.responses.create(model=MODEL, input=STORY, max_output_tokens=400, background=True)
     assert started.status == "in_progress" and started.background
-    time.sleep(0.3)
+    for event in client.responses.retrieve(started.id, stream=True):
+        if event.type == "response.output_text.delta":
+            break  # producing text: cancel it mid-run
     cancelled = client.responses.cancel(started.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(started.id).status == "cancelled"
@@ -135,8 +137,7 @@ def test_response_log_bounds() -> None:
             [e async for e in b.follow(0)]
         logs.ttl_s = 0
         b.finish()
-        await asyncio.sleep(0.01)
-        assert logs.get("b") is None
+        await until(lambda: logs.get("b") is None, "a finished log past its TTL is dropped")
 
     asyncio.run(run())
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import websockets
 from cadenza_testkit.servers import PacedEngine, free_port, serve_in_thread
+from cadenza_testkit.waiting import until
 
 from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
@@ -78,7 +79,7 @@ def test_server_capacity_refuses_before_work_with_a_retry_hint(paced) -> None:
             for ws, lanes in ((a, "abc"), (b, "def")):  # 6 = max_concurrent 4 + max_queued 2
                 for lane in lanes:
                     await ws.send(_create(lane))
-            await asyncio.sleep(0.3)
+            await until(lambda: engine.running == 6, "all six admitted and streaming")
             await c.send(_create("g"))
             errors = await _errors(c, 1)
             return errors, engine.running
@@ -158,7 +159,7 @@ def test_http_over_capacity_is_429_with_retry_after_and_disconnect_aborts(paced)
             for ws, lanes in ((a, "abc"), (b, "def")):  # fill max_concurrent 4 + max_queued 2
                 for lane in lanes:
                     await ws.send(_create(lane, tokens=400))
-            await asyncio.sleep(0.3)
+            await until(lambda: engine.running == 6, "all six admitted and streaming")
             try:
                 await asyncio.to_thread(urllib.request.urlopen, _post_chat(port, {"max_tokens": 4}))
             except urllib.error.HTTPError as e:
