@@ -44,7 +44,7 @@ bench: env
 # Every Triton kernel against its torch reference at real shapes, timed against torch; prints
 # JSON, exits non-zero on a failure or without CUDA. E.g. `make gpu-check GPU_CHECK_ARGS=--quick`.
 gpu-check: env
-	$(BIN)/python -m cadenza.benchmarks.gpu_check $(GPU_CHECK_ARGS)
+	$(BIN)/cadenza gpu-check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,7 +1,7 @@
 """GPU check: every Triton kernel against its torch reference at real shapes, timed against torch,
 then the whole engine on a Llama-3.2-1B-shaped random model against transformers (gpu_model.py).
 
-    python -m cadenza.benchmarks.gpu_check [--quick] [--dtype bf16|fp16|both] [--budget-s 240]
+    cadenza gpu-check [--quick] [--dtype bf16|fp16|both] [--budget-s 240]
 
 Shapes are those of an 8B Llama (32 query heads, 8 KV heads of 128, hidden 4096): decode
 batches of 1-256 over contexts of 128-32k tokens (at most 2^20 context tokens per case, so
@@ -137,15 +137,25 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cadenza.benchmarks.gpu_check", description=__doc__.split("\n")[0])
+def add_gpu_check_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `cadenza gpu-check` (and of `python -m cadenza.benchmarks.gpu_check`)."""
     parser.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing runs")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="both")
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no case after this many seconds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the only ones --device cpu runs)")
     parser.add_argument("--no-model", action="store_true", help="kernels only: skip the whole-model check")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cadenza gpu-check", description=__doc__.split("\n")[0])
+    add_gpu_check_args(parser)
+    return run_gpu_check(parser.parse_args(argv))
+
+
+def run_gpu_check(args: argparse.Namespace) -> int:
+    """Every case, then the whole model; prints the JSON report. 0 when all passed, 1 on a
+    failure, 2 when the device is missing or the flags do not fit together."""
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_check: CUDA is not available on this machine. Run it on a GPU host, or dry-run "
@@ -155,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device == "cpu":
         if not args.tiny:
-            parser.error("--device cpu runs the Triton interpreter: add --tiny")
+            print("gpu_check: --device cpu runs the Triton interpreter: add --tiny", file=sys.stderr)
+            return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel module is imported
     dtypes = [torch.float16] if args.device == "cpu" else DTYPES[args.dtype]  # no bf16 tl.dot there
     dev = torch.device(args.device)

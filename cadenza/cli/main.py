@@ -112,6 +112,12 @@ def cmd_bench_structured(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from cadenza.benchmarks.gpu_check import run_gpu_check
+
+    return run_gpu_check(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from cadenza.gateway.server import run_server
 
@@ -182,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_structured_args(structured)
     structured.set_defaults(func=cmd_bench_structured)
+    gpu = sub.add_parser("gpu-check", help="every Triton kernel and the whole model on CUDA, against torch (JSON)")
+    from cadenza.benchmarks.gpu_check import add_gpu_check_args
+
+    add_gpu_check_args(gpu)
+    gpu.set_defaults(func=cmd_gpu_check)
     return parser
 
 

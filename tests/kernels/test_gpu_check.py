@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,8 +78,8 @@ def test_a_failing_case_is_reported_not_raised() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for machines without CUDA")
 def test_without_cuda_it_says_so_and_exits_nonzero() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "cadenza.benchmarks.gpu_check", "--quick"], capture_output=True, text=True, timeout=120
-    )
+    """Through the `cadenza` command, as `make gpu-check` runs it."""
+    cadenza = str(Path(sys.executable).with_name("cadenza"))
+    proc = subprocess.run([cadenza, "gpu-check", "--quick"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
