@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cadenza.benchmarks.gpu_cases import DTYPES, Case, Plan, attention_cases, elementwise_cases, gemm_cases, make_plan
+from cadenza.benchmarks.gpu_check_args import add_gpu_check_args
 from cadenza.benchmarks.gpu_model import copy_bandwidth_gb_s
 
 
@@ -135,16 +136,6 @@ def _triton_version() -> str:
     import triton
 
     return triton.__version__
-
-
-def add_gpu_check_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `cadenza gpu-check` (and of `python -m cadenza.benchmarks.gpu_check`)."""
-    parser.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing runs")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="both")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="start no case after this many seconds")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the only ones --device cpu runs)")
-    parser.add_argument("--no-model", action="store_true", help="kernels only: skip the whole-model check")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_structured_args(structured)
     structured.set_defaults(func=cmd_bench_structured)
     gpu = sub.add_parser("gpu-check", help="every Triton kernel and the whole model on CUDA, against torch (JSON)")
-    from cadenza.benchmarks.gpu_check import add_gpu_check_args
+    from cadenza.benchmarks.gpu_check_args import add_gpu_check_args
 
     add_gpu_check_args(gpu)
     gpu.set_defaults(func=cmd_gpu_check)
