@@ -1,4 +1,9 @@
-"""Which kernels run: CADENZA_KERNELS (`torch`, `cpu` or `triton`), read per call so a test can switch it."""
+"""Which kernels run: CADENZA_KERNELS (`torch`, `cpu` or `triton`), else the device's default.
+
+Read when something is bound (a model's Kernels bundle in ops.bind_kernels, each LinearMethod
+as it is built), never per op: a choice made at load time holds for the model's life, and a
+test that wants another backend sets the variable before it builds the model.
+"""
 
 from __future__ import annotations
 
@@ -28,14 +33,10 @@ def default_backend(device: torch.device | None = None) -> str:
 
 
 def backend(device: torch.device | None = None) -> str:
-    """The kernel backend in force for tensors on `device`: CADENZA_KERNELS when set (read per
-    call, so a test can switch it), else default_backend(device); a clear error for an unknown one."""
+    """The kernel backend for tensors on `device`: CADENZA_KERNELS when set, else
+    default_backend(device); a clear error for an unknown one. Call it where a choice is
+    bound (load time), not on an op's path."""
     name = os.environ.get("CADENZA_KERNELS") or default_backend(device)
     if name not in BACKENDS:
         raise ValueError(f"CADENZA_KERNELS={name!r} is not available; choose one of {BACKENDS}")
     return name
-
-
-def runs_native(x: torch.Tensor) -> bool:
-    """Whether the `cpu` backend's C kernels take this tensor (fp32 on the CPU)."""
-    return backend(x.device) == "cpu" and x.dtype == torch.float32 and x.device.type == "cpu"

@@ -1,25 +1,29 @@
-"""One function per hot op; the model calls only these.
+"""The hot ops between the projections, bound once: a frozen Kernels bundle per backend.
 
-Each dispatches to the backend in CADENZA_KERNELS (`torch`, `cpu` or `triton`; see
-backend.py), read per call so a test can switch it; the default is triton on CUDA and cpu on
-the CPU. `torch` is the pure torch reference; `cpu` runs fp32 CPU tensors through the C
-kernels instead: decode attention (one-query rows, attention/cpu.py) reading K/V in place
-rather than gathering a padded copy, and the norm, rotary and SiLU ops (cpu/elementwise.py)
-as one call each rather than 3-8 small torch ops (it is the default only where a C compiler
-builds them). `triton` on the CPU runs the kernels under the Triton interpreter (start the
-process with TRITON_INTERPRET=1).
-Every op has both: paged attention (attention/dispatch.py) runs the split-KV decode kernel
-and the varlen extend kernel on `triton`; the GEMM over a packed q8 / q4 weight
-(quant/triton_gemm.py) dequantizes in registers.
+bind_kernels(device) reads the backend (CADENZA_KERNELS, else the device's default; see
+backend.py) once, when a model is prepared, and returns that backend's bundle of callables;
+the model holds it and its layers call through it, so no op reads the environment or walks
+an if-chain per call, layer and step. `torch` is the pure torch reference; `cpu` runs fp32
+CPU tensors through the C kernels instead: decode attention (one-query rows, attention/cpu.py)
+reading K/V in place rather than gathering a padded copy, and the norm, rotary and SiLU ops
+(cpu/elementwise.py) as one call each rather than 3-8 small torch ops (it is the default only
+where a C compiler builds them). `triton` on the CPU runs the kernels under the Triton
+interpreter (start the process with TRITON_INTERPRET=1). Every op has both: paged attention
+(attention/dispatch.py) runs the split-KV decode kernel and the varlen extend kernel on
+`triton`; the GEMM over a packed q8 / q4 weight (quant/triton_gemm.py) dequantizes in registers.
+Projections bind their own kernels the same way, in their LinearMethod (kernels/linear).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from cadenza.kernels.attention.dispatch import paged_attention
-from cadenza.kernels.backend import backend, default_backend, runs_native
+from cadenza.kernels.attention.dispatch import PAGED_ATTENTION, PagedAttention
+from cadenza.kernels.backend import backend, default_backend
 from cadenza.kernels.cpu.elementwise import fused_add_rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
 from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
 from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
@@ -27,57 +31,74 @@ from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_t
 from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.kernels.rotary import rotary_ref, rotary_triton
 
-__all__ = [
-    "backend", "default_backend", "fused_add_rms_norm", "packed_matmul", "paged_attention", "rms_norm", "rotary",
-    "silu_and_mul", "write_kv",
-]  # fmt: skip
+__all__ = ["BUNDLES", "Kernels", "backend", "bind_kernels", "default_backend"]
+
+Tensor = torch.Tensor
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if backend(x.device) == "triton":
-        return fused_add_rms_norm_triton(x, None, weight, eps)[0]
-    if runs_native(x):
-        return fused_add_rms_norm_cpu(x, None, weight, eps)[0]
-    return rms_norm_ref(x, weight, eps)
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One backend's implementation of every hot op; contracts are the `_ref` functions'."""
+
+    backend: str
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps)
+    # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+    fused_add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    rotary: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (q, k, cos_sin)
+    silu_and_mul: Callable[[Tensor], Tensor]
+    write_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]  # (k, v, k_cache, v_cache, slots)
+    paged_attention: PagedAttention
+    packed_matmul: Callable[[Tensor, PackedWeight, Tensor | None], Tensor]  # (x, w, bias), q8 / q4 W
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend(x.device) == "triton":
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
-    if runs_native(x):
+def bind_kernels(device: torch.device) -> Kernels:
+    """The bundle for a model on `device`: the one place a model's ops read the backend."""
+    name = backend(device)
+    if name == "cpu" and device.type != "cpu":
+        return BUNDLES["torch"]  # the C kernels read host memory: CUDA tensors take the reference
+    return BUNDLES[name]
+
+
+# The C kernels read fp32 CPU tensors. A bf16 model on the `cpu` backend still meets fp32
+# ones (a packed projection returns fp32), so the cpu bundle checks each tensor: a guard on the
+# data, not a choice of backend.
+def _native(x: Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def _rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return fused_add_rms_norm_cpu(x, None, weight, eps)[0] if _native(x) else rms_norm_ref(x, weight, eps)
+
+
+def _fused_add_rms_norm_cpu(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if _native(x):
         return fused_add_rms_norm_cpu(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend(q.device) == "triton":
-        return rotary_triton(q, k, cos_sin)
-    if runs_native(q):
-        return rotary_cpu(q, k, cos_sin)
-    return rotary_ref(q, k, cos_sin)
+def _rotary_cpu(q: Tensor, k: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    return rotary_cpu(q, k, cos_sin) if _native(q) else rotary_ref(q, k, cos_sin)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if backend(x.device) == "triton":
-        return silu_and_mul_triton(x)
-    if runs_native(x):
-        return silu_and_mul_cpu(x)
-    return silu_and_mul_ref(x)
+def _silu_and_mul_cpu(x: Tensor) -> Tensor:
+    return silu_and_mul_cpu(x) if _native(x) else silu_and_mul_ref(x)
 
 
-def write_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    if backend(key.device) == "triton":
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+def _rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return fused_add_rms_norm_triton(x, None, weight, eps)[0]
 
 
-def packed_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) for a q8 / q4 PackedWeight, in x's dtype."""
-    if backend(x.device) == "triton":
-        return packed_matmul_triton(x, w, bias)
-    return packed_matmul_ref(x, w, bias)
+BUNDLES: dict[str, Kernels] = {
+    "torch": Kernels(
+        "torch", rms_norm_ref, fused_add_rms_norm_ref, rotary_ref, silu_and_mul_ref, write_kv_ref,
+        PAGED_ATTENTION["torch"], packed_matmul_ref,
+    ),
+    "cpu": Kernels(
+        "cpu", _rms_norm_cpu, _fused_add_rms_norm_cpu, _rotary_cpu, _silu_and_mul_cpu, write_kv_ref,
+        PAGED_ATTENTION["cpu"], packed_matmul_ref,
+    ),
+    "triton": Kernels(
+        "triton", _rms_norm_triton, fused_add_rms_norm_triton, rotary_triton, silu_and_mul_triton, write_kv_triton,
+        PAGED_ATTENTION["triton"], packed_matmul_triton,
+    ),
+}  # fmt: skip

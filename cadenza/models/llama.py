@@ -2,8 +2,9 @@
 
 Projections are fused (q|k|v and gate|up) so a decode step is few, large matmuls; how each
 projection's weight is stored and multiplied is its LinearMethod (cadenza.kernels.linear),
-chosen at load time; every other op goes through cadenza.kernels.ops so the Triton kernels
-slot in unchanged.
+chosen at load time; every other op (norm, RoPE, SiLU, KV write, attention) is a callable of
+the model's Kernels bundle (cadenza.kernels.ops), also bound once when the model is prepared
+and passed down to the layers, so the layers never ask which backend runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.cpu.decode_stack import DecodeLayer, DecodeStackKernel, DecodeStackShape, bind_decode_stack
 from cadenza.kernels.linear import LinearMethod, choose_linear_method, dense_linear
 from cadenza.kernels.linear.packed import PackedLinear
+from cadenza.kernels.ops import Kernels
 from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
 from cadenza.models.embedding import PackedEmbedding
@@ -67,15 +69,17 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata, kernels: Kernels
+    ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, cos_sin)
-        ops.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        out = ops.paged_attention(q, kv[0], kv[1], meta, self.scale, self.bf16_products)
+        q, k = kernels.rotary(q, k, cos_sin)
+        kernels.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        out = kernels.paged_attention(q, kv[0], kv[1], meta, self.scale, self.bf16_products)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -85,8 +89,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -105,14 +109,15 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         kv: KVCache,
         meta: AttentionMetadata,
+        kernels: Kernels,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, h = x, ops.rms_norm(x, self.input_layernorm, self.eps)
+            residual, h = x, kernels.rms_norm(x, self.input_layernorm, self.eps)
         else:
-            h, residual = ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, cos_sin, kv, meta)
-        h, residual = ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h), residual
+            h, residual = kernels.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h = self.self_attn(h, cos_sin, kv, meta, kernels)
+        h, residual = kernels.fused_add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h, kernels), residual
 
     def decode_layer(self) -> DecodeLayer:
         """This layer's weights by role, for the C decode stack (after prepare_kernels)."""
@@ -148,7 +153,10 @@ class LlamaForCausalLM(nn.Module):
         self.is_first_stage = self.is_last_stage = True
         self.tp: TPGroup = SINGLE
         self.vocab_start = 0  # this rank's first vocab row (vocab-parallel embedding)
-        # All of this stage's layers in one C call for one-token steps on the CPU (prepare_kernels).
+        # Every op's implementation for this model's device, chosen once (bind_kernels).
+        self.kernels: Kernels | None = None
+        # All of this stage's layers in one C call for one-token steps on the CPU (prepare_kernels,
+        # under the `cpu` backend only).
         self.decode_stack: DecodeStackKernel | None = None
         # How the weights are kept (set by the loader) and, when the file stores the embedding
         # packed, that table until prepare_kernels builds its lookup.
@@ -182,21 +190,29 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers; (x, residual) is what the next pipeline stage continues from."""
         cos_sin = self.cos_sin[positions]
-        if (
-            self.decode_stack is not None
-            and x.shape[0] == 1
-            and ops.backend(x.device) == "cpu"
-            and reads_cache(kv_caches[0][0])
-        ):
+        # reads_cache: the cache's dtype (kv_cache_dtype), a guard on the data, not the backend.
+        if self.decode_stack is not None and x.shape[0] == 1 and reads_cache(kv_caches[0][0]):
             slot, seq_len = int(meta.slot_mapping[0]), meta.seq_lens[0]
             return self.decode_stack(x, residual, cos_sin, kv_caches, slot, meta.block_tables[0], seq_len)
+        kernels = self._kernels()
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, kv, meta)
+            x, residual = layer(x, residual, cos_sin, kv, meta, kernels)
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        x, _ = self._kernels().fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
+
+    def bind_kernels(self) -> Kernels:
+        """Choose every op's implementation for this model's device, once: CADENZA_KERNELS is
+        read here (and by the LinearMethods prepare_kernels builds), never per op."""
+        self.kernels = ops.bind_kernels(self.norm.device)
+        return self.kernels
+
+    def _kernels(self) -> Kernels:
+        # An unprepared model (the CUDA memory profile's step runs before prepare_kernels)
+        # binds on its first step; from then on this is an attribute read.
+        return self.kernels if self.kernels is not None else self.bind_kernels()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, vocab] fp32; under TP each rank's vocab slice is gathered (every rank must call)."""
@@ -207,7 +223,9 @@ class LlamaForCausalLM(nn.Module):
         """Once loaded and sharded: each projection's storage in the weight format and its
         LinearMethod, the embedding's storage, and on the CPU (TP 1) the C decode stack:
         one-token steps then run all layers in csrc/decode_layer.c, the same math as
-        DecoderLayer.forward with ~60 fewer torch calls a layer."""
+        DecoderLayer.forward with ~60 fewer torch calls a layer. The ops' bundle is bound here
+        too, with the methods, so both follow the backend in force at this one moment."""
+        kernels = self.bind_kernels()
         fmt = self.weight_format
         for module in self.modules():
             if isinstance(module, Linear):
@@ -218,7 +236,9 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, Attention):
                 module.bf16_products = fmt.gemm_dtype == torch.bfloat16
         self._prepare_embedding()
-        if self.tp.size == 1:  # the C stack has no all-reduce: tensor-parallel layers run op by op
+        self.decode_stack = None
+        # The C stack has no all-reduce: tensor-parallel layers run op by op; other backends too.
+        if self.tp.size == 1 and kernels.backend == "cpu":
             cfg = self.cfg
             shape = DecodeStackShape(
                 hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,

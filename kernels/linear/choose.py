@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cadenza.kernels.backend import backend
 from cadenza.kernels.cpu.gemv import gemv_available
 from cadenza.kernels.linear.base import LinearMethod
 from cadenza.kernels.linear.cpu_fp32 import CpuFp32Linear
@@ -23,7 +24,7 @@ def choose_linear_method(
     this rank's slice); it may take a dense weight_t over.
 
     Dense [in, out] weights: on the CPU in fp32, the [out, in] re-layout with the C GEMV
-    where this host builds it; anything else, and one-element
+    where this host builds it and the backend is `cpu`; anything else, and one-element
     placeholders (a pipeline stage's unused lm_head), stays dense through torch.
     Packed weights (one part, or several stacked by rows when a fused projection's parts are
     stored in different formats): the C packed kernels on the CPU, Triton on CUDA;
@@ -35,7 +36,9 @@ def choose_linear_method(
     on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
     if not on_cpu_fp32 or weight.numel() <= 1:
         return DenseLinear(weight)
-    return CpuFp32Linear(weight, few_rows_kernel=gemv_available())
+    # The backend is read once per projection, here: CADENZA_KERNELS=torch (or triton) keeps
+    # the C GEMV off, and builds nothing.
+    return CpuFp32Linear(weight, few_rows_kernel=backend(weight.device) == "cpu" and gemv_available())
 
 
 def _packed_method(weight: PackedWeight, int8_activations: bool, gemm_dtype: torch.dtype) -> LinearMethod:

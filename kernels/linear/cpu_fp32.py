@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cadenza.kernels.backend import backend
 from cadenza.kernels.cpu.gemv import linear_few_rows
 from cadenza.kernels.cpu.packed import BoundWeight
 from cadenza.kernels.linear.base import LinearMethod
@@ -32,6 +31,8 @@ FEW_ROWS = 8
 
 class CpuFp32Linear(LinearMethod):
     def __init__(self, weight_t: nn.Parameter, few_rows_kernel: bool) -> None:
+        """few_rows_kernel: run the C GEMV up to FEW_ROWS rows (choose_linear_method decides it
+        once, from the backend and the build); without it every row count goes to the BLAS."""
         rows = weight_t.detach().t().contiguous()
         # The parameter stays (weights and state_dict see it) as a view of the rows: one copy of W.
         weight_t.data = rows.t()
@@ -40,8 +41,7 @@ class CpuFp32Linear(LinearMethod):
         self._bound: BoundWeight | None = None
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # The backend is read per call: CADENZA_KERNELS=torch turns the C GEMV off.
-        if self.few_rows_kernel and x.shape[0] <= FEW_ROWS and backend(x.device) == "cpu":
+        if self.few_rows_kernel and x.shape[0] <= FEW_ROWS:
             return linear_few_rows(x, self.rows, bias)
         return dense_linear(x, self.weight_t, bias)
 

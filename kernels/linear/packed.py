@@ -38,9 +38,6 @@ PACKED_FEW_ROWS = 16
 TILE_ELEMENTS = 1 << 20  # 4 MB of fp32: one decoded tile, in L2/L3 while the GEMM reads it
 
 
-CPU = torch.device("cpu")  # a bound weight lives there
-
-
 class PackedLinear(LinearMethod):
     """int8_activations: q4 / q8 read x rounded to int8 per block of 32 in every path."""
 
@@ -50,15 +47,13 @@ class PackedLinear(LinearMethod):
         self.weight = weight
         self.gemm_dtype = gemm_dtype
         self.round_x = int8_activations and weight.can_round_activations
-        on_cpu = weight.device.type == "cpu"
-        self.bound = BoundWeight(weight, self.round_x) if on_cpu and packed_available() else None
-
-    def _c(self) -> BoundWeight | None:
-        # The backend is read per call: CADENZA_KERNELS=torch runs the reference.
-        return self.bound if self.bound is not None and backend(CPU) == "cpu" else None
+        # The backend is read once, here (load time): under CADENZA_KERNELS=torch, or without
+        # the C build, nothing is bound and every call runs the torch reference.
+        native = weight.device.type == "cpu" and backend(weight.device) == "cpu"
+        self.bound = BoundWeight(weight, self.round_x) if native and packed_available() else None
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        bound = self._c()
+        bound = self.bound
         if bound is not None and x.shape[0] <= PACKED_FEW_ROWS:
             return packed_linear(bound, x.float(), bias)
         return self._tiled(x if x.is_cuda else x.float(), bias, bound)
@@ -92,9 +87,8 @@ class PackedLinear(LinearMethod):
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W as fp32 (embedding lookups from the same storage)."""
-        bound = self._c()
-        if bound is not None:
-            return packed_gather(bound, ids)
+        if self.bound is not None:
+            return packed_gather(self.bound, ids)
         return dequantize(self.weight.take_rows(ids))
 
     def weight_bytes(self) -> int:

@@ -17,12 +17,13 @@ class TritonPackedLinear(LinearMethod):
         if weight.kind not in TRITON_KINDS:
             raise ValueError(f"TritonPackedLinear reads {', '.join(TRITON_KINDS)} weights, not {weight.kind!r}")
         self.weight = weight
+        # The backend is read once, here (load time): CADENZA_KERNELS=torch binds the
+        # dequantizing reference instead of the Triton GEMM.
+        torch_backend = backend(weight.device) == "torch"
+        self._matmul = packed_matmul_ref if torch_backend else packed_matmul_triton
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # The backend is read per call: CADENZA_KERNELS=torch swaps in the dequantizing reference.
-        if backend(x.device) == "torch":
-            return packed_matmul_ref(x, self.weight, bias)
-        return packed_matmul_triton(x, self.weight, bias)
+        return self._matmul(x, self.weight, bias)
 
     def weight_bytes(self) -> int:
         return self.weight.nbytes

@@ -44,8 +44,10 @@ def test_a_mixed_batch_through_the_cpu_backend_matches_torch(monkeypatch: pytest
     q, k_cache, v_cache, meta = paged_batch(seq_lens, q_lens, (6, 2), 64, 16, torch.float32)
     expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
     monkeypatch.setenv("CADENZA_KERNELS", "cpu")
+    kernels = ops.bind_kernels(q.device)  # the backend is read when bound, as for a model
+    assert kernels.backend == "cpu"
     meta.decode_plan = None  # the reference run above planned this batch already
-    got = ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    got = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
 
 

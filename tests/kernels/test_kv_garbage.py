@@ -18,9 +18,9 @@ import torch
 
 from cadenza.actors.model_runner import zeroed_kv_tensor
 from cadenza.kernels.attention.cpu import decode_attention_available, paged_decode_attention_cpu
-from cadenza.kernels.attention.dispatch import paged_attention
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.attention.reference import paged_attention_ref
+from cadenza.kernels.ops import bind_kernels
 
 BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 4, 24, 4, 2, 8
 SCALE = HEAD_DIM**-0.5
@@ -102,7 +102,9 @@ def test_the_cpu_kernel_path_never_reads_unwritten_slots(reqs: list[tuple[int, i
 @needs_c_kernel
 def test_the_cpu_dispatch_never_reads_unwritten_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CADENZA_KERNELS", "cpu")
-    _assert_garbage_proof(*_run_both(MIXED, paged_attention))
+    kernels = bind_kernels(torch.device("cpu"))  # bound after the backend is set, as a model's
+    assert kernels.backend == "cpu"
+    _assert_garbage_proof(*_run_both(MIXED, kernels.paged_attention))
 
 
 def test_the_reference_prefill_reads_only_owned_slots() -> None:

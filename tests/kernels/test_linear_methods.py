@@ -50,11 +50,13 @@ def test_the_cpu_fp32_method_takes_each_path_and_matches_a_matmul(
 
 
 def test_the_torch_backend_turns_the_gemv_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENZA_KERNELS", "torch")  # read when the method is chosen
     method = choose_linear_method(_weight(32, 16))
+    assert isinstance(method, CpuFp32Linear) and not method.few_rows_kernel and method.c_weight() is None
     calls: list[str] = []
     monkeypatch.setattr(cpu_fp32, "linear_few_rows", _counting(calls, "gemv", cpu_fp32.linear_few_rows))
-    monkeypatch.setenv("CADENZA_KERNELS", "torch")
-    method.apply(torch.randn(1, 32), None)
+    x = torch.randn(1, 32)
+    torch.testing.assert_close(method.apply(x, None), x @ method.weight_t)
     assert calls == []
 
 

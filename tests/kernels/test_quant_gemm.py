@@ -104,18 +104,20 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     results = {}
     for name in ("torch", "triton"):
         monkeypatch.setenv("CADENZA_KERNELS", name)
-        results[name] = ops.packed_matmul(x, w8), ops.packed_matmul(x, w4, bias)
+        kernels = ops.bind_kernels(x.device)  # the backend is read when bound, as for a model
+        assert kernels.backend == name
+        results[name] = kernels.packed_matmul(x, w8, None), kernels.packed_matmul(x, w4, bias)
     for ref, got in zip(results["torch"], results["triton"], strict=True):
         assert got.shape == (2, 3, N)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_triton_packed_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENZA_KERNELS", "triton")  # read when the method is built
     w = quantize_int4(_dense(96, 7), 32).to(DEVICE)
     method = TritonPackedLinear(w)
     assert method.packed() is w and method.weight_bytes() == w.nbytes == N * 48 + 2 * N * 3 * 2
     x, bias = torch.randn(3, 96, device=DEVICE), torch.randn(N, device=DEVICE)
-    monkeypatch.setenv("CADENZA_KERNELS", "triton")
     torch.testing.assert_close(method.apply(x, bias), packed_matmul_ref(x, w, bias), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="'q4_k'"):
         TritonPackedLinear(PackedWeight("q4_k", N, 256, torch.zeros(N, 144, dtype=torch.uint8), group=256))
