@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.actors.model_runner import allocate_kv_cache
+from cadenza.actors.kv_tensors import allocate_kv_cache
 from cadenza.actors.rejection_sampler import at_position
 from cadenza.actors.sampler import apply_penalties_and_masks, draw, sampling_probs
 from cadenza.actors.spec_proposal import ProposalInput

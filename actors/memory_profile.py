@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from cadenza.actors.model_runner import allocate_kv_cache
+from cadenza.actors.kv_tensors import allocate_kv_cache
 from cadenza.actors.varlen_batch import Chunk, build_batch
 from cadenza.models.llama import LlamaForCausalLM
 
