@@ -1,4 +1,4 @@
-"""RayExecutor: the engine actor's handle on its worker actors.
+"""RayExecutor: the engine actor's handle on its worker actors (an executor_base.WorkerExecutor).
 
 tp * pp workers in one placement group. A step sends the same SchedulerOutput to every
 worker; stage s + 1 gets stage s's hidden states over torch.distributed (actors/stage_link.py)
@@ -141,7 +141,18 @@ class RayExecutor:
     def workers(self) -> list[ray.actor.ActorHandle]:
         return [w for stage in self.stages for w in stage]
 
-    async def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    @property
+    def compiled_graph(self) -> bool:
+        return self.graph is not None
+
+    def execute(self, so: SchedulerOutput) -> asyncio.Task[ModelRunnerOutput]:
+        return asyncio.ensure_future(self._execute(so))
+
+    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         step = asyncio.ensure_future(self._graph_step(so) if self.graph is not None else self._call_step(so))
         done, _ = await asyncio.wait([step, *self.death_watch], return_when=asyncio.FIRST_COMPLETED)
         if step in done:

@@ -1,4 +1,5 @@
-"""LocalExecutor: with TP = PP = 1 the engine actor runs the model runner in its own process.
+"""LocalExecutor: with TP = PP = 1 the engine actor runs the model runner in its own process
+(an executor_base.WorkerExecutor, its one worker a plain object).
 
 A step is then a function call on one dedicated thread, not an actor call: no msgpack of the
 SchedulerOutput, no Ray hop out to a worker and none back (measured at batch 1 on 2 cores:
@@ -31,8 +32,8 @@ T = TypeVar("T")
 
 class LocalExecutor:
     kind = "local"
-    graph = None  # no Ray Compiled Graph: there is nothing to send
-    workers: list = []  # no worker actors
+    num_workers = 0  # the model runs in the engine actor's own process
+    compiled_graph = False  # nothing crosses a process: there is no graph to compile
 
     def __init__(self, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...]) -> None:
         if config.world_size != 1:
@@ -61,7 +62,10 @@ class LocalExecutor:
         self.pids = [os.getpid()]
         self.weight_bytes = self.worker.weight_bytes()
 
-    async def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput) -> asyncio.Task[ModelRunnerOutput]:
+        return asyncio.ensure_future(self._execute(so))
+
+    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:
             result = await self._call(self.worker.launch, so)
             if isinstance(result, PendingOutput):  # scheduling ahead: the next step is launching

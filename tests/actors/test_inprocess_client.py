@@ -51,6 +51,7 @@ def test_streams_equal_offline_and_cancelled_ones_free_their_blocks(client: InPr
         streams = [_text(client, p, params) for p in prompts]
         cancels = [_cancelled(client, p) for p in prompts[:2]]
         results = await asyncio.gather(*streams, *cancels)
+
         async def idle() -> bool:  # the aborts land with the next lock turn
             engine = (await client.stats()).engine
             return engine.kv_cache.num_free_blocks == NUM_BLOCKS and engine.num_running == 0
