@@ -27,7 +27,7 @@ from cadenza.actors.output_stream import stream_batches
 from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.errors import EngineDeadError, RequestFailedError
-from cadenza.messages import EngineRequest, OutputBatch
+from cadenza.messages import EngineRequest, OutputBatch, Refusal
 from cadenza.models.model_files import load_tokenizer, read_model
 from cadenza.models.partition import check_tp, stage_layers
 from cadenza.stats import ServingStats
@@ -106,13 +106,13 @@ class AsyncLLM(StreamingClient):
     async def _submit(self, requests: list[EngineRequest]) -> None:
         for req in requests:
             try:
-                error = await self._call("add_request", req)
+                refusal: Refusal | None = await self._call("add_request", req)
             except ray.exceptions.RayTaskError as e:
                 if (unreadable := codec.unreadable(e)) is None:
                     raise
-                error = str(unreadable)  # not an EngineRequest: refused like any bad request
-            if error is not None:
-                raise ValueError(error)
+                refusal = Refusal("invalid", str(unreadable))  # not an EngineRequest: a bad request
+            if refusal is not None:
+                raise (EngineDeadError if refusal.kind == "dead" else ValueError)(refusal.message)
 
     def _abort_soon(self, request_ids: list[str]) -> None:
         self.engine.abort.remote(request_ids)  # fire and forget

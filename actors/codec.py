@@ -28,6 +28,7 @@ from cadenza.messages import (
     HiddenStates,
     ModelRunnerOutput,
     OutputBatch,
+    Refusal,
     SchedulerOutput,
     WorkerSpec,
 )
@@ -36,10 +37,11 @@ from cadenza.stats import ServingStats
 T = TypeVar("T")
 
 # Everything that crosses between actors. Anything else an actor method takes or returns is a
-# builtin (a request id list, an ack number, an error string) or a Ray handle.
+# builtin (a request id list, an ack number, the health reason) or a Ray handle.
 MESSAGES: tuple[type, ...] = (
     EngineConfig,  # driver -> engine actor, at creation
     EngineRequest,  # driver -> engine actor
+    Refusal,  # engine actor -> driver, when it will not queue a request
     OutputBatch,  # engine actor -> driver
     ServingStats,  # engine actor -> driver
     WorkerSpec,  # engine actor -> worker, at creation

@@ -12,7 +12,7 @@ from cadenza.actors.engine_core import EngineCore, model_thread
 from cadenza.actors.prompts import PendingRequest, fan_out, require_tokenizer, tokenize
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.device import visible_gpus
-from cadenza.engine_client import Prompt
+from cadenza.engine_client import Prompt, TokensPrompt
 from cadenza.models.loader import load_model
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.outputs import RequestOutput
@@ -50,7 +50,7 @@ class LLM:
         session_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """session_ids: the conversation each prompt is a turn of (its prefix is pinned)."""
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompts = [prompts] if isinstance(prompts, (str, dict, TokensPrompt)) else list(prompts)
         params = self._per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         sessions = list(session_ids) if session_ids is not None else [None] * len(prompts)

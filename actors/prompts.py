@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import msgspec
 
 from cadenza.actors.output_processor import SequenceState
-from cadenza.engine_client import Prompt
+from cadenza.engine_client import Prompt, TokensPrompt
 from cadenza.messages import EngineRequest
 from cadenza.models.tokenizer import Tokenizer
-from cadenza.outputs import RequestOutput
+from cadenza.outputs import CompletionOutput, RequestOutput
 from cadenza.sampling_params import SamplingParams
 
 
@@ -29,7 +29,13 @@ class PendingRequest:
         return all(s.finished for s in self.seqs.values())
 
     def output(self) -> RequestOutput:
+        """Every sequence so far, whole (LLM.generate's answer)."""
         seqs = sorted(self.seqs.values(), key=lambda s: s.index)
+        return self.request_output(seqs, [s.completion() for s in seqs])
+
+    def request_output(self, seqs: list[SequenceState], completions: list[CompletionOutput]) -> RequestOutput:
+        """The one place a RequestOutput is built: whole here, one sequence's delta in the
+        streaming clients (stream_client._delta). The prompt's fields come from the first."""
         first = seqs[0]
         prompt_lps = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
         return RequestOutput(
@@ -37,7 +43,7 @@ class PendingRequest:
             self.prompt,
             self.prompt_ids,
             prompt_lps,
-            [s.completion() for s in seqs],
+            completions,
             self.finished,
             first.num_cached_tokens,
             [s.metrics for s in seqs],
@@ -46,22 +52,27 @@ class PendingRequest:
 
 def require_tokenizer(tokenizer: Tokenizer | None) -> Tokenizer:
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
+        raise ValueError("this model has no tokenizer; pass TokensPrompt or {'prompt_token_ids': [...]} prompts")
     return tokenizer
 
 
+_SHAPES = "a prompt is a string, a TokensPrompt, {'prompt': str} or {'prompt_token_ids': [...]}"
+
+
 def tokenize(tokenizer: Tokenizer | None, prompt: Prompt) -> tuple[str | None, list[int]]:
-    if isinstance(prompt, str):
+    if isinstance(prompt, TokensPrompt):
+        text, ids = None, list(prompt.token_ids)
+    elif isinstance(prompt, str):
         text, ids = prompt, require_tokenizer(tokenizer).encode(prompt)
     elif not isinstance(prompt, dict):
-        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+        raise ValueError(_SHAPES)
     elif "prompt_token_ids" in prompt:
         text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
     elif "prompt" in prompt:  # rendered chat templates carry their own special tokens
         text = prompt["prompt"]
         ids = require_tokenizer(tokenizer).encode(text, add_special_tokens=not prompt.get("chat", False))
     else:
-        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+        raise ValueError(_SHAPES)
     if not ids:
         raise ValueError("the prompt is empty")
     return text, ids

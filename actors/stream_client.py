@@ -191,14 +191,4 @@ def _delta(
         seq.stop_reason,
         num_accepted_tokens,
     )
-    prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
-    return RequestOutput(
-        pending.request_id,
-        pending.prompt,
-        pending.prompt_ids,
-        prompt_logprobs,
-        [completion],
-        pending.finished,
-        seq.num_cached_tokens,
-        [seq.metrics],
-    )
+    return pending.request_output([seq], [completion])

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "AsyncLLM", "InProcessClient", "EngineClient", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "InProcessClient",
+    "EngineClient",
+    "TokensPrompt",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 # The package root is the public facade, so it is the one module of the base layer that names
 # upper layers; the imports run on first attribute access only (tests/test_layers.py).
@@ -17,6 +26,7 @@ _EXPORTS = {
     "AsyncLLM": "cadenza.actors.async_llm",
     "InProcessClient": "cadenza.actors.inprocess_client",
     "EngineClient": "cadenza.engine_client",
+    "TokensPrompt": "cadenza.engine_client",
     "SamplingParams": "cadenza.sampling_params",
     "RequestOutput": "cadenza.outputs",
     "CompletionOutput": "cadenza.outputs",

@@ -11,14 +11,24 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+import msgspec
+
 from cadenza.outputs import RequestOutput
 from cadenza.request_limits import RequestLimits
 from cadenza.sampling_params import SamplingParams
 from cadenza.stats import ServingStats
 
-# A string, {"prompt": str} (a rendered chat template: {"prompt": str, "chat": True}) or
-# {"prompt_token_ids": [...]}.
-Prompt = str | dict[str, Any]
+
+class TokensPrompt(msgspec.Struct, frozen=True):
+    """A prompt already tokenized (the gateway renders and encodes its own): the engine takes
+    the ids as they are, with no tokenizer and no special tokens added."""
+
+    token_ids: list[int]
+
+
+# A string, a TokensPrompt, or the dicts LLM and AsyncLLM users write (README): {"prompt": str}
+# (a rendered chat template: {"prompt": str, "chat": True}) or {"prompt_token_ids": [...]}.
+Prompt = str | TokensPrompt | dict[str, Any]
 
 
 class ChatTokenizer(Protocol):
@@ -71,8 +81,11 @@ class EngineClient(Protocol):
         priority: int = 0,
         pace: bool = False,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request; leaving the iteration early aborts it. Raises ValueError for a
+        """Deltas of one request; leaving the iteration early aborts it. pace: spread a step's
+        several tokens over time; cache_salt: whose prefix cache it may share; session_id: the
+        conversation it is a turn of (its prefix stays pinned). Raises ValueError for a
         request the engine refuses, cadenza.errors.RequestFailedError when the engine ends it
         with an error, cadenza.errors.EngineDeadError when the engine is gone."""
         ...

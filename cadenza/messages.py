@@ -3,10 +3,22 @@ them as they are; cadenza.actors.codec makes them msgpack on the wire between ac
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from cadenza.config import EngineConfig
 from cadenza.sampling_params import SamplingParams
+
+
+class Refusal(msgspec.Struct, frozen=True):
+    """Why the engine would not queue a request, typed across the actor boundary, so the client
+    raises the matching error rather than guessing from a string: `invalid` is the request's
+    own fault (ValueError, HTTP 400), `dead` the engine's (it stopped serving and says why:
+    EngineDeadError, HTTP 503)."""
+
+    kind: Literal["invalid", "dead"]
+    message: str
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):

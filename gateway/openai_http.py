@@ -9,11 +9,8 @@ one that stops reading, once a send waits past send_timeout_s (send_deadline.Sse
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import time
-from collections.abc import AsyncIterator
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -22,20 +19,18 @@ from starlette.responses import JSONResponse, Response
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import RETRY_AFTER
-from cadenza.gateway.grammar_budget import GrammarPlace
+from cadenza.gateway.chat_run import ChatRun
+from cadenza.gateway.completion_run import CompletionRun
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
-from cadenza.gateway.logprob_entries import LogprobEntries, completion_logprobs
-from cadenza.gateway.observe import Observation
+from cadenza.gateway.openai_run import Admitted, Body, OpenAIRun
 from cadenza.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cadenza.gateway.response_format import combined, requested_grammar
 from cadenza.gateway.scheduling import request_priority
 from cadenza.gateway.send_deadline import SseStream
-from cadenza.gateway.state import GatewayState, RequestError, new_id, tenant_salt
-from cadenza.gateway.stream_tally import StreamTally
-from cadenza.outputs import RequestOutput
+from cadenza.gateway.state import GatewayState, RequestError, tenant_salt
 from cadenza.request_limits import RequestLimits, check_bad_word_count, presented_key
+from cadenza.sampling_params import SamplingParams
 
-Body = ChatCompletionRequest | CompletionRequest
 log = logging.getLogger(__name__)
 
 
@@ -48,12 +43,12 @@ class OpenAIHttp:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, ChatCompletionRequest, chat=True)
+        return await self._serve(request, ChatCompletionRequest)
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, CompletionRequest, chat=False)
+        return await self._serve(request, CompletionRequest)
 
-    async def _serve(self, request: Request, kind: type[Body], chat: bool) -> Response:
+    async def _serve(self, request: Request, kind: type[Body]) -> Response:
         try:  # the API key, Host and Origin were checked by http_guard.HttpGuard
             body = await read_json(request, kind, self.state.settings)
         except BodyError as e:
@@ -70,7 +65,7 @@ class OpenAIHttp:
             return error_response(429, message, code, **RETRY_AFTER)
         prepared = False
         try:  # templates and tokenizers are CPU work: off the event loop every socket shares
-            prompt_ids, params, tools = await asyncio.to_thread(self._prepare, body, chat)
+            prompt_ids, params, tools = await asyncio.to_thread(self._prepare, body, kind is ChatCompletionRequest)
             grammar = await self.state.grammars.admit(client, params)  # compiled in a thread, in budget
             prepared = True
         except Exception as e:
@@ -78,12 +73,8 @@ class OpenAIHttp:
         finally:  # a failure, or a cancel: under Serve a client that leaves cancels this task, here
             if not prepared:
                 admission.give_back(client, body.stream)
-        run = _Run(self.state, body, chat, prompt_ids, params)
-        run.tools, run.priority = tools, priority
-        run.client, run.grammar = client, grammar
-        run.cache_salt = tenant_salt(presented_key(request.headers), body.cache_salt)
-        operation = "chat" if chat else "text_completion"
-        run.tally = StreamTally(Observation(self.state.metrics, self.state.tracing, operation, request.headers, params))
+        salt = tenant_salt(presented_key(request.headers), body.cache_salt)
+        run = self._run(body, Admitted(prompt_ids, params, client, grammar, priority, salt), tools, request.headers)
         headers = _ignored_header(body)
         if body.stream:
             return SseStream(run.sse(), self.state.settings.send_timeout_s, run.close_stream, headers)
@@ -96,7 +87,14 @@ class OpenAIHttp:
         finally:
             run.release()
 
-    def _prepare(self, body: Body, chat: bool) -> tuple[list[int], Any, tool_choice.ToolPlan | None]:
+    def _run(
+        self, body: Body, admitted: Admitted, tools: tool_choice.ToolPlan | None, headers: Mapping[str, str]
+    ) -> OpenAIRun:
+        if isinstance(body, ChatCompletionRequest):
+            return ChatRun(self.state, body, admitted, headers, tools)
+        return CompletionRun(self.state, body, admitted, headers)
+
+    def _prepare(self, body: Body, chat: bool) -> tuple[list[int], SamplingParams, tool_choice.ToolPlan | None]:
         state = self.state
         state.check_model(body.model)
         state.check_session_key(body.prompt_cache_key)
@@ -191,191 +189,3 @@ def _ignored_header(body: Body) -> dict[str, str]:
         return {}
     log.info("accepted without effect: %s", ", ".join(ignored))
     return {IGNORED_HEADER: ",".join(ignored)}
-
-
-class _Run:
-    """One HTTP request's trip through the engine, as SSE chunks or one JSON body."""
-
-    def __init__(self, state: GatewayState, body: Body, chat: bool, prompt_ids: list[int], params: Any) -> None:
-        self.state, self.body, self.chat = state, body, chat
-        self.prompt_ids, self.params = prompt_ids, params
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-        self.tally: StreamTally | None = None  # set by the route, with its Observation
-        self.cache_salt: str | None = None
-        self.client = ""  # whose admission place this run holds
-        self.grammar = GrammarPlace()  # its places in the grammar quota, given back with the other
-        self.released = False
-        # Completions' echo: the prompt (and its logprobs) go first; echo_only drops the output.
-        self.echo = not chat and body.echo
-        self.echo_only = self.echo and body.echo_only
-        self.tools: tool_choice.ToolPlan | None = None  # set by the route: calls read from the reply
-        self.priority = 0  # set by the route (gateway/scheduling.py)
-        self.logprobs = LogprobEntries(state.tokenizer, params.logprobs, body.return_tokens_as_token_ids)
-
-    async def _deltas(self) -> AsyncIterator[RequestOutput]:
-        state, body = self.state, self.body
-        stream = state.generate(
-            self.prompt_ids, self.params, self.id, body.stream, self.cache_salt, self.priority, body.prompt_cache_key
-        )
-        tally = self.tally
-        try:
-            async with contextlib.aclosing(stream):
-                async for delta in stream:
-                    tally.add(delta)
-                    yield delta
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or was cut: aborted
-            tally.finish(self.id, len(self.prompt_ids), ["abort"])
-            raise
-        except BaseException as e:
-            tally.fail(e)
-            raise
-        finally:
-            self.release()
-        tally.finish(self.id, len(self.prompt_ids))
-
-    def release(self) -> None:
-        """Give the admission place back, once, whichever path ends the run first."""
-        if not self.released:
-            self.released = True
-            self.state.admission.release(self.client)
-            self.grammar.release()
-
-    def close_stream(self) -> None:
-        """The end of its SSE response, however it came: the place (when the engine work has
-        not given it back already) and the stream."""
-        self.release()
-        self.state.admission.close_stream(self.client)
-
-    def usage(self) -> dict[str, Any]:
-        prompt, completion = len(self.prompt_ids), 0 if self.echo_only else self.tally.completion_tokens
-        usage = {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.tally.cached_tokens},
-        }
-        if self.state.speculative:  # OpenAI's Predicted Outputs fields, for the model's own drafts
-            spec = self.tally.observation.acceptance()
-            usage["completion_tokens_details"] = {
-                "accepted_prediction_tokens": spec["num_accepted_tokens"],
-                "rejected_prediction_tokens": spec["num_draft_tokens"] - spec["num_accepted_tokens"],
-            }
-        return usage
-
-    async def whole(self) -> dict[str, Any]:
-        logprobs: dict[int, list] = {}  # texts and finish reasons are the tally's
-        echoed: tuple[str, list] | None = None
-        first: RequestOutput | None = None
-        async for delta in self._deltas():
-            first = first or delta
-            out = delta.outputs[0]
-            echoed = echoed or (self._echoed(delta) if self.echo else None)
-            logprobs.setdefault(out.index, []).extend(self.logprobs.of_output(out))
-        texts, reasons = dict(self.tally.texts), self.tally.reasons
-        if echoed is not None:
-            prompt_text, prompt_entries = echoed
-            for i in texts:
-                kept_text, kept_entries = ("", []) if self.echo_only else (texts[i], logprobs[i])
-                texts[i], logprobs[i] = prompt_text + kept_text, prompt_entries + kept_entries
-        choices = [self._choice(i, texts[i], logprobs[i], reasons.get(i), final=True) for i in sorted(texts)]
-        body = self._envelope(choices, usage=self.usage())
-        if self.body.prompt_logprobs is not None:
-            positions = (first.prompt_logprobs if first else None) or [None] * len(self.prompt_ids)
-            body["prompt_logprobs"] = self.logprobs.vllm_prompt_logprobs(positions)
-        return body
-
-    def _echoed(self, delta: RequestOutput) -> tuple[str, list[dict[str, Any]]]:
-        """The prompt's text and, when logprobs were asked, an entry per prompt token (the
-        first has no logprob: nothing predicts it)."""
-        prompt = self.body.prompt if isinstance(self.body.prompt, str) else self.state.tokenizer.decode(self.prompt_ids)
-        if self.params.logprobs is None:
-            return prompt, []
-        positions = delta.prompt_logprobs or [None] * len(self.prompt_ids)
-        return prompt, self.logprobs.of_prompt(self.prompt_ids, positions)
-
-    async def sse(self) -> AsyncIterator[str]:
-        options = self.body.stream_options
-        include_usage = bool(options and options.include_usage)
-        running = bool(options and options.continuous_usage_stats)  # vLLM: usage in every chunk
-        deltas = self._deltas()
-        try:
-            if self.chat:  # OpenAI opens each choice with its role
-                for i in range(self.params.n):
-                    opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                    yield _sse(self._envelope([{**opening, "logprobs": None}], chunk=True))
-            echo = self.echo
-            tool_streams: dict[int, tool_choice.ToolDeltas] = {}
-            async for delta in deltas:
-                out = delta.outputs[0]
-                if echo:  # the prompt first, once, in a chunk of its own
-                    echo = False
-                    text, entries = self._echoed(delta)
-                    reason = "length" if self.echo_only else None
-                    yield _sse(self._envelope([self._choice(0, text, entries, reason, final=False)], chunk=True))
-                if self.echo_only or not (out.text or out.finish_reason):
-                    continue
-                if self.tools is not None:
-                    for chunk in self._tool_chunks(out, tool_streams):
-                        yield _sse(self._envelope([chunk], usage=self.usage() if running else None, chunk=True))
-                    continue
-                choice = self._choice(out.index, out.text, self.logprobs.of_output(out), out.finish_reason, final=False)
-                yield _sse(self._envelope([choice], usage=self.usage() if running else None, chunk=True))
-            if include_usage:
-                yield _sse(self._envelope([], usage=self.usage(), chunk=True))
-        except (RequestFailedError, EngineDeadError, ValueError) as e:
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": "server_error"}})
-        finally:  # a stream cut at a yield aborts its engine request now, not at garbage collection
-            await deltas.aclose()
-        yield "data: [DONE]\n\n"
-
-    def _envelope(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict[str, Any]:
-        obj = self.object + (".chunk" if chunk and self.chat else "")
-        model = self.state.model_name
-        body = {"id": self.id, "object": obj, "created": self.created, "model": model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return body
-
-    def _tool_chunks(self, out: Any, streams: dict[int, tool_choice.ToolDeltas]) -> list[dict[str, Any]]:
-        """A streamed choice's chunks under tools: content and tool_calls deltas, then the end."""
-        deltas = streams.setdefault(out.index, tool_choice.ToolDeltas(self.tools))
-        parts = deltas.feed(out.text) + (deltas.finish() if out.finish_reason else [])
-        chunks = [{"index": out.index, "delta": part, "logprobs": None, "finish_reason": None} for part in parts]
-        if out.finish_reason:
-            finish = self._finish(out.finish_reason, deltas.called)
-            chunks.append({"index": out.index, "delta": {}, "logprobs": None, "finish_reason": finish})
-        return chunks
-
-    def _finish(self, reason: str | None, called: bool = False) -> str | None:
-        """OpenAI's finish_reason: tool_calls when the model chose to call (a forced named
-        function ends with stop, as OpenAI's does)."""
-        if reason == "length" or not reason:
-            return reason
-        return "tool_calls" if called and self.tools is not None and self.tools.mode != "named" else "stop"
-
-    def _message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
-        if self.tools is None:
-            return {"role": "assistant", "content": text}, self._finish(reason)
-        content, calls = self.tools.parse(text)
-        if not calls:
-            return {"role": "assistant", "content": text}, self._finish(reason)
-        message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
-        return message, self._finish(reason, called=True)
-
-    def _choice(self, index: int, text: str, logprobs: list, reason: str | None, final: bool) -> dict[str, Any]:
-        finish = self._finish(reason)
-        wants = self.params.logprobs is not None
-        if self.chat:
-            lp = {"content": logprobs} if wants else None
-            if final:
-                message, finish = self._message(text, reason)
-                return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
-            return {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": finish}
-        lp = completion_logprobs(logprobs) if wants else None
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from cadenza.engine_client import EngineClient
+from cadenza.engine_client import EngineClient, TokensPrompt
 from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import Admission
 from cadenza.gateway.drain import Drain
@@ -97,10 +97,9 @@ class GatewayState:
     ) -> AsyncIterator[RequestOutput]:
         """The engine's deltas, paced when stream_pacing is set and the client reads a stream."""
         pace = stream and self.settings.stream_pacing
-        prompt = {"prompt_token_ids": prompt_ids}
         deltas = self.engine.generate(
-            prompt, params, request_id=request_id, pace=pace, cache_salt=cache_salt, priority=priority,
-            session_id=session_id,
+            TokensPrompt(prompt_ids), params, request_id=request_id, pace=pace,
+            cache_salt=cache_salt, priority=priority, session_id=session_id,
         )  # fmt: skip
         return self.drain.track(deltas)
 

@@ -182,7 +182,12 @@ def _listed_calls(text: str) -> list[ToolCall]:
         items = loads_bounded(text, MAX_CALL_JSON_DEPTH)
     except ValueError:
         return []  # cut short (max_tokens): no complete call to report
-    return [ToolCall(i["name"], json.dumps(i["arguments"], ensure_ascii=False)) for i in items if isinstance(i, dict)]
+    # The forced grammar requires both keys, but a reply is the model's: read it defensively.
+    return [
+        ToolCall(i["name"], json.dumps(i.get("arguments", {}), ensure_ascii=False))
+        for i in items
+        if isinstance(i, dict) and isinstance(i.get("name"), str)
+    ]
 
 
 class ToolDeltas:

@@ -21,6 +21,7 @@ from cadenza.messages import (
     ModelRunnerOutput,
     NewRequestData,
     OutputBatch,
+    Refusal,
     SchedulerOutput,
     TokenLogprobs,
     WorkerSpec,
@@ -33,6 +34,7 @@ CONFIG = EngineConfig(model="m", num_blocks=8, speculative_config={"method": "ng
 SAMPLES = [
     CONFIG,
     EngineRequest(request_id="a", prompt_token_ids=[1, 2], sampling_params=PARAMS, cache_salt="s"),
+    Refusal("dead", "the engine loop stopped: EngineBroken: block tables and pool disagree"),
     OutputBatch(last=3, outputs=[EngineOutput(request_id="a", new_token_ids=[5], finish_reason="stop")]),
     ServingStats(
         engine=EngineStats(1, 0, 0, BlockPoolStats(8, 7, 0.1, 2, 1, 0)),

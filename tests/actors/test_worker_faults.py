@@ -115,7 +115,7 @@ def test_poison_requests_fail_alone_beside_a_live_stream(
         # The engine refuses it too, for a client that skips the client-side check.
         raw = EngineRequest(request_id="raw-poison", prompt_token_ids=ids, sampling_params=params)
         refused = await tiny_async.engine.add_request.remote(raw)
-        assert refused is not None and message in refused
+        assert refused is not None and refused.kind == "invalid" and message in refused.message
         tokens, last = await live
         assert tokens == expected and last.outputs[0].finish_reason == "length"
         assert (await tiny_async.stats()).num_worker_restarts == restarts
@@ -166,8 +166,10 @@ def test_an_engine_loop_error_fails_requests_and_a_broken_engine_says_why(
             await _collect(llm, [1, 2, 3], GREEDY, request_id=BREAK_FOR_GOOD)
         with pytest.raises(EngineDeadError, match="block tables and pool disagree"):
             await llm.check_health()  # what /health turns into a 503 with the reason
-        with pytest.raises(ValueError, match="internal engine error"):
-            await _collect(llm, [1, 2, 3], GREEDY)  # refused at once, never left waiting
+        # Refused at once, never left waiting, and as the engine's fault (a 503), not the
+        # request's (the refusal crosses the actor boundary typed: messages.Refusal).
+        with pytest.raises(EngineDeadError, match="internal engine error"):
+            await _collect(llm, [1, 2, 3], GREEDY)
 
     try:
         asyncio.run(run())

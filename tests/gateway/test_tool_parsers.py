@@ -202,3 +202,10 @@ def test_json_schema_true_and_false() -> None:
     assert StructuredOutputs(json=True).json == {}  # any JSON value
     with pytest.raises(ValueError, match="matches nothing"):
         StructuredOutputs(json=False)
+
+
+def test_a_required_reply_missing_keys_is_read_not_a_crash() -> None:
+    """tool_choice="required": the grammar asks for name and arguments, but the reply is read
+    defensively: a call without arguments gets {}, an item without a name is dropped."""
+    content, calls = ToolPlan("required", "hermes").parse('[{"name": "f"}, {"arguments": {}}, 3]')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
