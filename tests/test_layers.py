@@ -156,3 +156,68 @@ def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
     found = imports_of("cadenza.kernels.bad", bad, known)
     assert [(t, line) for t, line, _ in found] == [("cadenza.gateway.app", 1), ("cadenza.actors.llm", 2)]
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+
+
+# Small files: the longest module was 534 lines (model_runner.py) before the runner was split.
+MAX_LINES = 400
+# The only places under kernels/ that read the environment, and when: the backend, read once
+# when a model binds its kernels (kernels/ops.bind_kernels), and the C build's cache folder
+# and compiler, read when a library is first built.
+KERNEL_ENV_READERS = {"backend.py", "build.py"}
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n for p in _modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def environment_reads(source: str) -> list[int]:
+    """Lines that read the environment: os.environ / os.getenv in any form."""
+    return sorted(
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb")
+    )
+
+
+def test_kernels_read_the_environment_only_at_load_time() -> None:
+    kernels = _package_dirs()["cadenza.kernels"]
+    reads = {
+        str(p.relative_to(ROOT)): lines
+        for p in kernels.rglob("*.py")
+        if p.name not in KERNEL_ENV_READERS and (lines := environment_reads(p.read_text()))
+    }
+    assert not reads, f"environment read on the per-op path: {reads}"
+
+
+def private_reach(source: str) -> list[str]:
+    """`other._name` for any object but self, cls or super(): reaching into another object's
+    private state, across a seam or not."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_objects_private_state() -> None:
+    """The engine's seams (actor -> core -> scheduler, executor -> worker -> runner) and every
+    other: a module uses another object's public verbs only."""
+    reached = {str(p.relative_to(ROOT)): hits for p in _modules().values() if (hits := private_reach(p.read_text()))}
+    assert not reached, f"private attributes of another object: {reached}"
+
+
+def test_the_seam_checkers_see_what_they_should() -> None:
+    assert environment_reads("import os\nos.environ.get('X')\nx = os.getenv('Y')\n") == [2, 3]
+    assert private_reach("self._a\ncls._b\nsuper()._c\ncore._in_flight\nself.core._steps\n") == [
+        "4: core._in_flight",
+        "5: self.core._steps",
+    ]

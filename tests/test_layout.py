@@ -1,9 +1,12 @@
 """The layout no package can shadow: pytest runs in importlib mode with no tests/__init__.py,
 so the repository root is never on sys.path, and our top-level kernels/ (cadenza.kernels)
-cannot stand in for an installed `kernels` (Hugging Face's, which transformers imports)."""
+cannot stand in for an installed `kernels` (Hugging Face's, which transformers imports), not
+even from the repository root, where Python finds the folder by its bare name."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from importlib.machinery import PathFinder
 from pathlib import Path
@@ -48,3 +51,37 @@ def test_only_the_three_required_folders_are_remapped() -> None:
         "cadenza.gateway": "gateway",
     }
     assert not any((ROOT / name).exists() for name in ("models", "cli", "benchmarks"))
+
+
+def _from_the_root(code: str, *flags: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -c code` run in the repository root, so sys.path[0] is the root itself."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_from_the_repository_root_import_kernels_is_the_installed_one(tmp_path: Path) -> None:
+    theirs = tmp_path / "kernels"
+    theirs.mkdir()
+    (theirs / "__init__.py").write_text("WHOSE = 'theirs'\n")
+    (theirs / "layers.py").write_text("")  # a submodule resolves inside their package
+    done = _from_the_root(
+        "import kernels, kernels.layers; print(kernels.WHOSE, kernels.layers.__file__)", pythonpath=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    whose, submodule = done.stdout.split()
+    assert whose == "theirs" and Path(submodule).resolve().parent == theirs.resolve()
+
+
+def test_from_the_repository_root_with_none_installed_import_kernels_fails_as_without_us() -> None:
+    done = _from_the_root("import sys; sys.path.insert(0, ''); import kernels", "-S")  # -S: no site-packages
+    assert done.returncode == 1 and "ModuleNotFoundError: No module named 'kernels'" in done.stderr
+
+
+def test_from_the_repository_root_transformers_gets_the_real_package() -> None:
+    done = _from_the_root("import transformers, kernels; print(kernels.__file__)")
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).resolve().parent != OURS
