@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL ?= SmolLM2-135M-Instruct
 
-.PHONY: test lint chat serve bench clean env chromium gpu-check
+.PHONY: test test-quick lint chat serve bench clean env chromium gpu-check
 
 $(BIN)/.ready: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ lint: env
 
 test: env lint chromium
 	$(BIN)/pytest -q --durations=15 tests
+
+# The inner loop: unit tests only (no Ray, no real model); `make test` runs everything.
+test-quick: env lint
+	$(BIN)/pytest -q --durations=10 -m "not slow and not heavy" tests
 
 # The chat-page test drives Debian's headless Chromium (Playwright's own browsers are not used).
 chromium:

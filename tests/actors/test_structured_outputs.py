@@ -308,6 +308,7 @@ def test_a_slow_mask_fails_its_own_request_and_the_step_goes_on(matchers: Gramma
         gate.opened.set()
 
 
+@pytest.mark.heavy  # waits out the grammar deadline
 def test_a_slow_grammar_fails_alone_in_the_engine(random_model: Path, monkeypatch) -> None:
     """In the engine: the slow request ends with the time box's error; a plain request and
     another grammar's, sampled in the same steps, complete."""

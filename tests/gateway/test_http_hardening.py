@@ -456,6 +456,7 @@ def test_drain_timeout_ends_each_stream_with_its_terminal_event(tokenizer: Any) 
     assert engine.running == 0  # every engine stream was closed (its request aborted)
 
 
+@pytest.mark.heavy  # a server process of its own, signalled
 def test_sigterm_drains_and_exits_0(tokenizer: Any) -> None:
     port = free_port()
     script = (

@@ -103,6 +103,7 @@ STALLED_STREAMS = {
 }
 
 
+@pytest.mark.heavy  # waits out a send deadline per stream kind
 @pytest.mark.parametrize("kind", sorted(STALLED_STREAMS))
 def test_a_stream_that_is_not_read_is_cut_and_gives_everything_back(tokenizer: Any, kind: str) -> None:
     """A client that stops reading a stream (a chat stream, a streamed response, a follower of

@@ -84,6 +84,7 @@ print(json.dumps({"peak_growth": max(peak[0], anon()) - before, "held": held}))
 """
 
 
+@pytest.mark.heavy  # a process of its own, its peak memory measured
 def test_a_rank_reads_its_slice_without_holding_the_whole_model(tmp_path: Path) -> None:
     """A 190 MB model: rank 0 of 4 grows by about its quarter plus one tensor being read."""
     import transformers
