@@ -181,7 +181,8 @@ def test_http_over_capacity_is_429_with_retry_after_and_disconnect_aborts(paced)
         await writer.drain()
         while b"data: {" not in await reader.read(4096):
             pass
-        assert engine.running == 1
+        # The first chunk (the role) may leave before the engine stream is entered.
+        await until(lambda: engine.running == 1, "the stream running in the engine")
         writer.close()  # gone mid-stream
         await _drained(engine)  # the engine request was aborted, not run to 400 tokens
 
