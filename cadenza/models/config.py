@@ -10,7 +10,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, False),
 }
+# Families that RMS-normalise each head's query and key before RoPE (a weight of head_dim each).
+QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # q_norm / k_norm per head before RoPE (Qwen3)
     rope_scaling: dict[str, Any] | None = None
     # llama.cpp stores llama3-style scaling as per-frequency divisors instead of parameters.
     rope_freq_factors: tuple[float, ...] | None = None
@@ -74,6 +78,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             rope_scaling=_rope_scaling(cfg),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),

@@ -68,6 +68,10 @@ class Attention(nn.Module):
         self.bf16_products = False  # prefill attention as the GEMMs: set by prepare_kernels from gemm_dtype
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.eps = cfg.rms_norm_eps
+        # Qwen3: one RMSNorm weight over head_dim, shared by every query (key) head.
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos_sin: torch.Tensor, kv: KVCache, meta: AttentionMetadata, kernels: Kernels
@@ -77,6 +81,9 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = kernels.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view_as(q)
+            k = kernels.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
         q, k = kernels.rotary(q, k, cos_sin)
         kernels.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         out = kernels.paged_attention(q, kv[0], kv[1], meta, self.scale, self.bf16_products)
@@ -237,8 +244,9 @@ class LlamaForCausalLM(nn.Module):
                 module.bf16_products = fmt.gemm_dtype == torch.bfloat16
         self._prepare_embedding()
         self.decode_stack = None
-        # The C stack has no all-reduce: tensor-parallel layers run op by op; other backends too.
-        if self.tp.size == 1 and kernels.backend == "cpu":
+        # The C stack has no all-reduce: tensor-parallel layers run op by op; other backends too,
+        # and q/k norms (Qwen3), which the stack does not compute.
+        if self.tp.size == 1 and kernels.backend == "cpu" and not self.cfg.qk_norm:
             cfg = self.cfg
             shape = DecodeStackShape(
                 hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,

@@ -187,6 +187,8 @@ def _layer_target(layer: nn.Module, cfg: ModelConfig, rest: str, name: str) -> t
         return module, attribute, offset
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return layer, rest.split(".")[0], None
+    if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and cfg.qk_norm:
+        return attn, rest.split(".")[1], None
     raise ValueError(f"unexpected weight {name!r}")
 
 
@@ -205,6 +207,8 @@ def _check_complete(model: LlamaForCausalLM, filled: set[str]) -> None:
             expected |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
         if cfg.o_bias:
             expected.add(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            expected |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
     missing = sorted(expected - filled)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

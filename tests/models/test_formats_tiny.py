@@ -25,9 +25,10 @@ def _logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     return torch.tensor([[position[t].logprob for t in sorted(position)] for position in rows])
 
 
+@pytest.mark.parametrize("kind", ["llama_gqa_tied", "qwen3_qk_norm"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=["bf16", "f16", "int8", "int4"])
-def test_each_format_packs_every_weight_and_tracks_fp32(tiny_model, fmt: dict) -> None:
-    path, _ = tiny_model("llama_gqa_tied")
+def test_each_format_packs_every_weight_and_tracks_fp32(tiny_model, fmt: dict, kind: str) -> None:
+    path, _ = tiny_model(kind)
     ids = torch.randint(3, 160, (48,), generator=torch.Generator().manual_seed(0)).tolist()
     base = LLM(str(path), num_blocks=32, dtype="float32", quantization="none", max_logprobs=-1)
     llm = LLM(str(path), num_blocks=32, max_logprobs=-1, **fmt)

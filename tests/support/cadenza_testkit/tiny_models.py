@@ -20,6 +20,10 @@ TINY_CONFIGS = {
         "Qwen2Config",
         dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False, head_dim=16, hidden_size=96),
     ),
+    "qwen3_qk_norm": (
+        "Qwen3Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, head_dim=32, hidden_size=64),
+    ),
     "mistral_gqa": (
         "MistralConfig",
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
