@@ -145,7 +145,10 @@ class Tokenizer:
         merges = field_value(reader, "tokenizer.ggml.merges") or []
         types = field_value(reader, "tokenizer.ggml.token_type") or []
         pre = field_value(reader, "tokenizer.ggml.pre", "default")
-        backend = _byte_level_bpe(tokens, merges, types, pre)
+        try:
+            backend = _byte_level_bpe(tokens, merges, types, pre)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         return cls(
             backend,
             field_value(reader, "tokenizer.chat_template"),
@@ -207,7 +210,16 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], pre:
     return backend
 
 
+# `tokenizer.ggml.pre` names whose reference split is GPT-2's own regex (ByteLevel's).
+_GPT2_SPLIT_NAMES = ("default", "gpt2", "gpt-2")
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The split a GGUF's `tokenizer.ggml.pre` names. An unknown name is an error: falling back
+    to GPT-2's regex would give different tokens from the model's own tokenizer, silently."""
+    known = (*_SPLITS, "smollm", *_GPT2_SPLIT_NAMES)
+    if pre not in known:
+        raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {sorted(known)}")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
     if pre in _SPLITS:
         return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])

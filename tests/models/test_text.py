@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,31 @@ def test_a_character_split_between_prompt_and_output_is_kept(tokenizer: Tokenize
     text = "".join(detok.add([i]) for i in ids[split:]) + detok.flush()
     assert text.startswith("🎉") and text.endswith(" time")
     assert tokenizer.decode(ids[:split]).rstrip("\ufffd") + text == "Party 🎉 time"
+
+
+def _tokenizer_gguf(path: Path, pre: str) -> Path:
+    """A GGUF holding only a byte-level BPE vocabulary (no tensors) with the given pre name."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "ab", "<|end|>"])
+    writer.add_token_merges(["a b"])
+    writer.add_token_types([1, 1, 1, 3])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_with_an_unknown_pre_tokenizer_is_refused_not_guessed(tmp_path: Path) -> None:
+    """An unknown `tokenizer.ggml.pre` once fell back to GPT-2's split silently (wrong tokens)."""
+    import gguf
+
+    known = Tokenizer.from_gguf(gguf.GGUFReader(_tokenizer_gguf(tmp_path / "ok.gguf", "llama-bpe")), tmp_path, (3,))
+    assert known.encode("ab", add_special_tokens=False) == [2]
+    path = _tokenizer_gguf(tmp_path / "odd.gguf", "mystery-pre")
+    with pytest.raises(ValueError, match=r"odd.gguf.*tokenizer.ggml.pre='mystery-pre'; supported: \["):
+        Tokenizer.from_gguf(gguf.GGUFReader(path), path, (3,))
