@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, False),
+    "Phi3ForCausalLM": (False, False),  # q/k/v and gate/up stored fused (models/fused_checkpoint.py)
 }
 # Families that RMS-normalise each head's query and key before RoPE (a weight of head_dim each).
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}
@@ -62,6 +63,10 @@ class ModelConfig:
         qkv_bias, o_bias = SUPPORTED_ARCHITECTURES[arch]
         if cfg.get("attention_bias"):  # Llama's flag puts a bias on all four projections
             qkv_bias = o_bias = True
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"{source}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported (RoPE on every dim)"
+            )
         heads = cfg["num_attention_heads"]
         return cls(
             architecture=arch,

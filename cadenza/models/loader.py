@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from cadenza.config import DEFAULT_MODEL  # noqa: F401 - this module's API
 from cadenza.models.config import ModelConfig
+from cadenza.models.fused_checkpoint import FUSED_CHECKPOINT_ARCHITECTURES, split_fused
 from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_config
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.model_files import (  # noqa: F401 - this module's API
@@ -45,6 +46,8 @@ def load_model(
             raise ValueError(f"quantization='gguf' keeps a GGUF file's types, but {path} is not a GGUF file")
         cfg = read_hf_config(path)
         tensors, tokenizer = iter_safetensors(path), Tokenizer.from_hf_dir(path, cfg.eos_token_ids)
+        if cfg.architecture in FUSED_CHECKPOINT_ARCHITECTURES:
+            tensors = split_fused(tensors, cfg)
     else:
         reader = open_gguf(path)
         cfg = read_gguf_config(reader, path)

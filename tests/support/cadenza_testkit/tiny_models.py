@@ -24,6 +24,17 @@ TINY_CONFIGS = {
         "Qwen3Config",
         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, head_dim=32, hidden_size=64),
     ),
+    "phi3_fused": (
+        "Phi3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),  # Phi-3 stores q/k/v and gate/up fused in its checkpoint
     "mistral_gqa": (
         "MistralConfig",
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
