@@ -1,4 +1,4 @@
-"""RoPE frequencies, including Llama 3's "llama3" and plain "linear" scaling."""
+"""RoPE frequencies, including Llama 3's "llama3", plain "linear" and YaRN ("yarn") scaling."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
         return _llama3(inv_freq, scaling)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
-    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3, linear")
+    if kind == "yarn":
+        return _yarn(inv_freq, scaling, cfg)
+    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3, linear, yarn")
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -39,8 +41,46 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn(inv_freq: torch.Tensor, s: dict, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than beta_slow times over the original context are
+    interpolated (divided by `factor`), those that turn more than beta_fast times kept, a
+    linear ramp between (the paper's "NTK-by-parts"); attention_scaling() adds its temperature."""
+    factor, dim = float(s["factor"]), cfg.head_dim
+    old_len = float(s.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_turning(turns: float) -> float:  # the dimension whose wavelength turns `turns` times
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = dim_turning(fast), dim_turning(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def attention_scaling(cfg: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (so q.k by its square); 1 for other kinds."""
+    s = cfg.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(factor, float(s["mscale"])) / mscale(factor, float(s["mscale_all_dim"]))
+    return mscale(factor)
+
+
 def cos_sin_cache(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim]: cos of each frequency, then sin; fp32."""
+    """[max_positions, head_dim]: cos of each frequency, then sin; fp32 (YaRN's scaling folded in,
+    so every kernel that reads the cache applies it)."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inverse_frequencies(cfg))
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling(cfg)

@@ -39,6 +39,15 @@ TINY_CONFIGS = {
         "MistralConfig",
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
     ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16),
+        ),
+    ),
     "llama3_rope": (
         "LlamaConfig",
         dict(
