@@ -28,6 +28,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -38,7 +40,7 @@ def iter_gguf_tensors(
     """HF-named tensors: fp32, or with `keep` every 2-D tensor of a type in KEPT_TYPES as a
     PackedWeight of its stored bytes. llama.cpp permutes Llama's Q/K rows for its RoPE; undo
     that here (on the rows, which blocks never cross)."""
-    permuted = cfg.architecture != "Qwen2ForCausalLM"
+    permuted = cfg.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama's (and Mistral's) only
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue

@@ -12,7 +12,7 @@ import numpy as np
 from cadenza.models.config import ModelConfig
 
 # GGUF architecture -> HF architecture. Mistral files say "llama".
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 class _PlainArrayReader(gguf.GGUFReader):
@@ -71,6 +71,7 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(meta),
         rope_freq_factors=_freq_factors(reader),
         eos_token_ids=_eos_ids(reader),

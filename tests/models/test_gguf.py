@@ -24,6 +24,8 @@ _NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -45,9 +47,14 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, qtype: Q, override: dict[str, Q] | None = None) -> Path:
+def write_gguf(
+    model: torch.nn.Module, path: Path, qtype: Q, override: dict[str, Q] | None = None, arch: str = "llama"
+) -> Path:
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -65,9 +72,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: Q, override: dict[str,
     w.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
-        if ".q_proj." in name:
+        if ".q_proj." in name and arch == "llama":
             array = permute(array, cfg.num_attention_heads)
-        if ".k_proj." in name:
+        if ".k_proj." in name and arch == "llama":
             array = permute(array, cfg.num_key_value_heads)
         kind = (override or {}).get(gguf_name(name), Q.F32 if array.ndim == 1 else qtype)
         if kind == Q.F32:
@@ -99,6 +106,25 @@ def test_tensor_types_match_transformers(tiny_model, tmp_path: Path, qtype: Q) -
     for pos, position in enumerate(ours[0].prompt_logprobs[1:]):
         for token, lp in position.items():
             assert abs(lp.logprob - float(expected[pos, token])) <= 1e-3
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0])
+def test_a_qwen3_gguf_matches_its_hf_directory(tiny_model, tmp_path: Path, qtype: Q) -> None:
+    """arch qwen3: q/k norms (attn_q_norm, attn_k_norm), a head_dim of its own (key_length), no
+    Q/K row permutation. F32 against the HF directory (itself held to transformers); Q8_0 kept
+    packed against the same file expanded to fp32."""
+    directory, hf = tiny_model("qwen3_qk_norm")
+    path = write_gguf(hf, tmp_path / f"qwen3-{qtype.name}.gguf", qtype, arch="qwen3")
+    ids = torch.randint(3, 160, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+    llm = LLM(str(path), num_blocks=32)
+    assert llm.engine.model_config.qk_norm
+    reference = LLM(str(directory) if qtype == Q.F32 else str(path), num_blocks=32, quantization="none")
+    ours = llm.generate({"prompt_token_ids": ids}, params)
+    ref = reference.generate({"prompt_token_ids": ids}, params)
+    for pos, (got, want) in enumerate(zip(ours[0].prompt_logprobs[1:], ref[0].prompt_logprobs[1:])):
+        token = ids[pos + 1]  # the prompt's own token is always among a position's logprobs
+        assert abs(got[token].logprob - want[token].logprob) <= 1e-3
 
 
 def test_unsupported_tensor_type_is_named(tiny_model, tmp_path: Path) -> None:
