@@ -1,0 +1,91 @@
+"""Reasoning models' thinking, read apart from their answer (vLLM's `--reasoning-parser`):
+`<think> ... </think>` text goes to the message's `reasoning_content`, the rest to `content`.
+
+    qwen3        reasoning only where the reply opens with <think> (Qwen3, QwQ; a reply whose
+                 template turned thinking off has none, and is all content)
+    deepseek_r1  the reply starts inside reasoning (DeepSeek-R1 and its distills put <think> in
+                 the prompt), which runs until </think>; an opening <think> is dropped too
+
+Text comes in pieces (streamed deltas), so a tag may be split across them: the splitter holds
+back only what could still be the start of a tag (fewer characters than the tag), which keeps
+the work linear in the reply (issue #38's rule for every scan of model text)."""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+class ReasoningSplitter:
+    """One choice's reply, fed piece by piece: each piece's (reasoning, content)."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
+        self.parser = parser
+        self.state = "start"  # start -> reasoning -> content, or start -> content
+        self.held = ""  # a possible tag's beginning, not yet given out
+        self.eat_newlines = False  # the newlines right after a tag are the template's, not text
+
+    @property
+    def thinking(self) -> bool:
+        return self.state == "reasoning" or (self.state == "start" and self.parser == "deepseek_r1")
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self.held = self.held + text, ""
+        if self.state == "start":
+            text = self._opening(text)
+            if self.state == "start":  # still undecided: all of it may be an opening tag
+                return "", ""
+        if self.state == "content":
+            return "", self._eat(text)
+        end = text.find(CLOSE)
+        if end >= 0:
+            self.state = "content"
+            reasoning = self._eat(text[:end])
+            self.eat_newlines = True
+            return reasoning, self._eat(text[end + len(CLOSE) :])
+        keep = _partial_tail(text, CLOSE)
+        self.held = text[len(text) - keep :]
+        return self._eat(text[: len(text) - keep]), ""
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the end of the reply: an unclosed tag's start is text."""
+        held, self.held = self._eat(self.held), ""
+        if self.state == "start":
+            return (held, "") if self.parser == "deepseek_r1" else ("", held)
+        return (held, "") if self.state == "reasoning" else ("", held)
+
+    def _opening(self, text: str) -> str:
+        """Decide from the reply's start whether it opens with <think> (leading whitespace aside)."""
+        stripped = text.lstrip()
+        if stripped.startswith(OPEN):
+            self.state, self.eat_newlines = "reasoning", True
+            return stripped[len(OPEN) :]
+        if OPEN.startswith(stripped):  # "", "<", "<th", ...: wait for more
+            self.held = text
+            return ""
+        self.state = "reasoning" if self.parser == "deepseek_r1" else "content"
+        return text
+
+    def _eat(self, text: str) -> str:
+        if self.eat_newlines:
+            text = text.lstrip("\n")
+            self.eat_newlines = not text
+        return text
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """How many trailing characters of `text` are a proper prefix of `tag` (so may be its start)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def split_whole(parser: str, text: str) -> tuple[str, str]:
+    """A whole reply's (reasoning, content)."""
+    splitter = ReasoningSplitter(parser)
+    reasoning, content = splitter.feed(text)
+    tail_reasoning, tail_content = splitter.finish()
+    return reasoning + tail_reasoning, content + tail_content
