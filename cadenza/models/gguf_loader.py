@@ -17,7 +17,10 @@ from cadenza.models.gguf_reader import field_value, open_gguf, read_gguf_config 
 
 Q = gguf.GGMLQuantizationType
 # Types gguf's numpy dequantizer handles and we test or trust; anything else is refused by name.
-SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# The low-bit K and i-quants (EXPANDED_ONLY) are expanded to `dtype` on load: no kernel reads them
+# packed, so they cost memory like the dense model, and serve the user who only has that file.
+EXPANDED_ONLY = {Q.Q2_K, Q.Q3_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS}
+SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, *EXPANDED_ONLY}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",

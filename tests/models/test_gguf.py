@@ -14,6 +14,7 @@ from cadenza import LLM, SamplingParams
 from cadenza.models.tokenizer import _byte_alphabet
 
 Q = gguf.GGMLQuantizationType
+RAW_TYPES = {Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_S, Q.TQ2_0}  # gguf cannot quantize these
 _NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -79,9 +80,10 @@ def write_gguf(
         kind = (override or {}).get(gguf_name(name), Q.F32 if array.ndim == 1 else qtype)
         if kind == Q.F32:
             w.add_tensor(gguf_name(name), np.ascontiguousarray(array))
-        elif kind == Q.IQ4_NL:  # unsupported on purpose: raw bytes of the right size
-            raw = np.zeros((array.shape[0], array.shape[1] // 32 * 18), dtype=np.uint8)
-            w.add_tensor(gguf_name(name), raw, raw_dtype=kind)
+        elif kind in RAW_TYPES:  # no quantizer in gguf: random blocks of the right size
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            raw = np.random.default_rng(0).integers(0, 256, (array.shape[0], array.shape[1] // block * size))
+            w.add_tensor(gguf_name(name), raw.astype(np.uint8), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
     w.write_header_to_file()
@@ -127,10 +129,38 @@ def test_a_qwen3_gguf_matches_its_hf_directory(tiny_model, tmp_path: Path, qtype
         assert abs(got[token].logprob - want[token].logprob) <= 1e-3
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random blocks hold NaN and inf scales
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_S])
+def test_low_bit_types_are_expanded_by_ggufs_own_dequantizer(tiny_model, tmp_path: Path, qtype: Q) -> None:
+    """Q2_K, Q3_K and the i-quants load, each tensor exactly as gguf's dequantizer expands it
+    (blocks of 256 values: the tiny model's 160-wide rows are padded out in a model of 256)."""
+    from cadenza.models.gguf_loader import iter_gguf_tensors, open_gguf, read_gguf_config
+
+    hf = _wide_llama(tmp_path)
+    path = write_gguf(hf, tmp_path / f"low-{qtype.name}.gguf", Q.F32, override={"blk.0.ffn_up.weight": qtype})
+    reader = open_gguf(path)
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    expected = gguf.quants.dequantize(raw.data, qtype).reshape(512, 256)
+    got = dict(iter_gguf_tensors(reader, read_gguf_config(reader, path), path))["model.layers.0.mlp.up_proj.weight"]
+    assert got.shape == (512, 256) and np.array_equal(got.numpy(), expected, equal_nan=True)
+
+
+def _wide_llama(directory: Path) -> torch.nn.Module:
+    """A tiny Llama whose rows are one K-quant super-block (256) wide."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 def test_unsupported_tensor_type_is_named(tiny_model, tmp_path: Path) -> None:
     _, hf = tiny_model("llama_gqa_tied")
-    path = write_gguf(hf, tmp_path / "iq.gguf", Q.F32, override={"blk.0.ffn_up.weight": Q.IQ4_NL})
-    with pytest.raises(ValueError, match=r"iq\.gguf: tensor blk\.0\.ffn_up\.weight has unsupported type IQ4_NL"):
+    path = write_gguf(hf, tmp_path / "tq.gguf", Q.F32, override={"blk.0.ffn_up.weight": Q.TQ2_0})
+    with pytest.raises(ValueError, match=r"tq\.gguf: tensor blk\.0\.ffn_up\.weight has unsupported type TQ2_0"):
         LLM(str(path))
 
 
