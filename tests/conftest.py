@@ -75,19 +75,11 @@ def ray_cluster() -> None:
 
 
 # `make test-quick` (the inner loop) leaves out what needs Ray or the real model: tests that use
-# these fixtures, or whose module starts, joins or drives Ray (AsyncLLM is an engine actor);
-# and the modules below, which are slow by what they check (measured on 2 cores, 6-32 s a
-# module): a process per test, or thousands of engine steps.
+# these fixtures, or whose module starts, joins or drives Ray (AsyncLLM is an engine actor).
+# Tests slow by what they check (a process of their own, a deadline waited out, thousands of
+# engine steps) carry the marker themselves (`pytestmark` or `@pytest.mark.heavy`, with why).
 HEAVY_FIXTURES = {"ray_cluster", "server", "smollm", "hf_smollm"}
 USES_RAY = re.compile(r"^\s*(import ray|from ray)\b|AsyncLLM\(|launch_server\(|init_local_ray|ensure_ray", re.M)
-HEAVY_MODULES = {
-    "test_cli.py",  # the `cadenza` command end to end, the offline benchmark included
-    "test_private_ray.py",  # servers starting Ray instances of their own
-    "test_bench_serve.py",  # a server and the serving benchmark against it
-    "test_spec_distribution.py",  # sampled distributions: thousands of draws per case
-    "test_runner_graphs.py",  # captured graphs against eager, step after step
-    "test_kv_properties.py",  # hypothesis state machines over the scheduler
-}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -95,5 +87,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path not in ray_modules:
             ray_modules[item.path] = bool(USES_RAY.search(item.path.read_text()))
-        if ray_modules[item.path] or item.path.name in HEAVY_MODULES or HEAVY_FIXTURES & set(item.fixturenames):
+        if ray_modules[item.path] or HEAVY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.heavy)

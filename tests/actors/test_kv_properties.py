@@ -15,6 +15,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -25,6 +26,8 @@ from cadenza.actors.request import Request, RequestStatus
 from cadenza.actors.scheduler import Scheduler
 from cadenza.messages import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
 from cadenza.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.heavy  # not in make test-quick: hypothesis state machines over the scheduler
 
 EOS = 0
 VOCAB = 5  # small, so sampled continuations repeat and later prompts hit the prefix cache

@@ -13,6 +13,8 @@ from cadenza import LLM, SamplingParams
 from cadenza.actors.cuda_graphs import GraphSettings, cuda_capture, graph_settings
 from cadenza.actors.model_runner import ModelRunner
 
+pytestmark = pytest.mark.heavy  # not in make test-quick: captured graphs against eager, step after step
+
 MAX_NUM_SEQS = 5  # ladder 1, 2, 4, 5
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32], [27], [95, 2, 88, 41], [7, 7, 7]]
 

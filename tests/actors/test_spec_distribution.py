@@ -13,6 +13,8 @@ from cadenza import LLM, SamplingParams
 from cadenza.actors.rejection_sampler import SpecRow, verify
 from cadenza.actors.sampler import SamplingRow, sampling_probs
 
+pytestmark = pytest.mark.heavy  # not in make test-quick: sampled distributions: thousands of draws per case
+
 SAMPLES = 20_000
 CONTEXT = [(7 * i) % 150 + 3 for i in range(10)]
 FILTERS = {

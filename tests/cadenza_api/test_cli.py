@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # not in make test-quick: the `cadenza` command end to end, its benchmark too
+
 CLI = [str(Path(sys.executable).parent / "cadenza")]
 
 

@@ -26,6 +26,8 @@ from cadenza_testkit.tiny_models import build_tiny_chat_model
 
 from cadenza.actors.local_ray import probe_gcs
 
+pytestmark = pytest.mark.heavy  # not in make test-quick: servers starting Ray instances of their own
+
 STARTUP_TIMEOUT_S = 300
 ENGINE_LINE = re.compile(r"cadenza: engine on (.+) \(GCS (\S+)\)")
 

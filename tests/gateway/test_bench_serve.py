@@ -12,6 +12,8 @@ from cadenza.gateway.app import build_app
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.models.loader import DEFAULT_MODEL
 
+pytestmark = pytest.mark.heavy  # not in make test-quick: a server and the serving benchmark against it
+
 
 @pytest.mark.parametrize("transport", ["http", "ws"])
 def test_bench_serve_reports_latencies_throughput_and_a_plot(transport: str, capsys) -> None:
