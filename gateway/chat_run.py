@@ -12,7 +12,7 @@ from cadenza.gateway import tool_choice
 from cadenza.gateway.logprob_entries import Entry
 from cadenza.gateway.openai_run import Admitted, Choice, OpenAIRun, finish_reason
 from cadenza.gateway.openai_schema import ChatCompletionRequest
-from cadenza.gateway.reasoning import ReasoningSplitter
+from cadenza.gateway.reasoning import ReasoningTally
 from cadenza.gateway.state import GatewayState
 from cadenza.outputs import CompletionOutput, RequestOutput
 
@@ -34,37 +34,21 @@ class ChatRun(OpenAIRun):
         super().__init__(state, body, admitted, headers)
         self.tools = tools  # how calls are read from the reply (None: the reply is all content)
         self._tool_deltas: dict[int, tool_choice.ToolDeltas] = {}  # a streamed choice's, by index
-        self.reasoning_parser = state.settings.reasoning_parser  # "": the reply is all content
-        self._thinking: dict[int, ReasoningSplitter] = {}  # each choice's, by index
-        self._last_split: dict[int, tuple[str, str]] = {}  # the latest delta's (reasoning, content)
-        self._split_so_far: dict[int, tuple[str, str]] = {}  # the whole reply's, so far
-        self.reasoning_tokens = 0
+        parser = state.settings.reasoning_parser  # "": the reply is all content
+        self.reasoning = ReasoningTally(parser) if parser else None
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
         """Every delta, its thinking split from its answer first (when a reasoning parser is set),
         so the streamed chunks, the whole message and the usage read one split."""
         async for delta in super()._deltas():
-            if self.reasoning_parser:
-                self._split(delta.outputs[0])
+            if self.reasoning is not None:
+                self.reasoning.add(delta.outputs[0])
             yield delta
-
-    def _split(self, out: CompletionOutput) -> None:
-        splitter = self._thinking.setdefault(out.index, ReasoningSplitter(self.reasoning_parser))
-        was_thinking = splitter.thinking
-        reasoning, content = splitter.feed(out.text)
-        if out.finish_reason:
-            more_reasoning, more_content = splitter.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        if was_thinking or splitter.thinking:  # a delta that closes the thinking counts as thinking
-            self.reasoning_tokens += len(out.token_ids)
-        self._last_split[out.index] = (reasoning, content)
-        before = self._split_so_far.get(out.index, ("", ""))
-        self._split_so_far[out.index] = (before[0] + reasoning, before[1] + content)
 
     def usage(self) -> dict[str, Any]:
         usage = super().usage()
-        if self.reasoning_parser:
-            usage.setdefault("completion_tokens_details", {})["reasoning_tokens"] = self.reasoning_tokens
+        if self.reasoning is not None:
+            usage.setdefault("completion_tokens_details", {})["reasoning_tokens"] = self.reasoning.tokens
         return usage
 
     def _opening_choices(self) -> list[Choice]:
@@ -74,8 +58,8 @@ class ChatRun(OpenAIRun):
 
     def _delta_choices(self, out: CompletionOutput) -> list[Choice]:
         reasoning = ""
-        if self.reasoning_parser:
-            reasoning, content = self._last_split.pop(out.index, ("", out.text))
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.latest.pop(out.index, ("", out.text))
             out = dataclasses.replace(out, text=content)
         thought = {
             "index": out.index,
@@ -118,11 +102,11 @@ class ChatRun(OpenAIRun):
         return [self._final_choice(i, texts[i], logprobs[i], reasons.get(i)) for i in sorted(texts)]
 
     def _final_choice(self, index: int, text: str, entries: list[Entry], reason: str | None) -> Choice:
-        reasoning = None
-        if self.reasoning_parser:
-            reasoning, text = self._split_so_far.get(index, ("", text))
-        message, finish = self._message(text, reason)
-        if self.reasoning_parser:
+        if self.reasoning is None:
+            message, finish = self._message(text, reason)
+        else:
+            reasoning, content = self.reasoning.whole.get(index, ("", text))
+            message, finish = self._message(content, reason)
             message["reasoning_content"] = reasoning or None
         return {"index": index, "message": message, "logprobs": self._logprobs(entries), "finish_reason": finish}
 

@@ -12,6 +12,8 @@ the work linear in the reply (issue #38's rule for every scan of model text)."""
 
 from __future__ import annotations
 
+from cadenza.outputs import CompletionOutput
+
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -81,6 +83,32 @@ def _partial_tail(text: str, tag: str) -> int:
         if text.endswith(tag[:size]):
             return size
     return 0
+
+
+class ReasoningTally:
+    """A request's choices split as their deltas arrive, once, for everything that reads them:
+    each delta's (reasoning, content) for its chunk, each choice's whole split for the message,
+    and the thinking's tokens for the usage (a delta that opens or closes the thinking counts)."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.splitters: dict[int, ReasoningSplitter] = {}
+        self.latest: dict[int, tuple[str, str]] = {}
+        self.whole: dict[int, tuple[str, str]] = {}
+        self.tokens = 0
+
+    def add(self, out: CompletionOutput) -> None:
+        splitter = self.splitters.setdefault(out.index, ReasoningSplitter(self.parser))
+        was_thinking = splitter.thinking
+        reasoning, content = splitter.feed(out.text)
+        if out.finish_reason:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if was_thinking or splitter.thinking:
+            self.tokens += len(out.token_ids)
+        self.latest[out.index] = (reasoning, content)
+        before = self.whole.get(out.index, ("", ""))
+        self.whole[out.index] = (before[0] + reasoning, before[1] + content)
 
 
 def split_whole(parser: str, text: str) -> tuple[str, str]:
