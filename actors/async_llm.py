@@ -29,7 +29,7 @@ from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.messages import EngineRequest, OutputBatch, Refusal
 from cadenza.models.model_files import load_tokenizer, read_model
-from cadenza.models.partition import check_tp, stage_layers
+from cadenza.models.partition import check_tp, expert_slice, stage_layers
 from cadenza.stats import ServingStats
 
 _RemoteEngine = ray.remote(EngineActor)
@@ -60,6 +60,8 @@ class AsyncLLM(StreamingClient):
         config = EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args)
         path, self.model_config = read_model(model)
         check_tp(self.model_config, config.tensor_parallel_size)
+        if config.enable_expert_parallel and self.model_config.num_experts:
+            expert_slice(self.model_config.num_experts, config.tensor_parallel_size, 0)
         stage_layers(self.model_config.num_layers, config.pipeline_parallel_size, 0)
         self.tokenizer = load_tokenizer(path, self.model_config)
         self.ray_instance = ensure_ray(config.world_size, ray_address)

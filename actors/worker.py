@@ -81,7 +81,7 @@ class Worker:
         self._tp_rank = tp.rank
         device = "cuda" if cfg.device.startswith("cuda") else cfg.device
         # Only this rank's part of this stage is read into memory (models/rank_slice.py).
-        part = ModelPart(tp, spec.pp_rank, cfg.pipeline_parallel_size)
+        part = ModelPart(tp, spec.pp_rank, cfg.pipeline_parallel_size, cfg.enable_expert_parallel)
         self._loaded = load_model(cfg.model, _sliceable(cfg.weight_format, tp.size), device, cfg.max_model_len, part)
         self._kv_blocks = kv_pool_blocks(cfg, self._loaded, spec.num_blocks)
         return os.getpid()

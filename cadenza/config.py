@@ -135,7 +135,10 @@ class EngineConfig:
     max_model_len: longest prompt + output; defaults to the model's context length.
 
     Actor runtime (AsyncLLM): tensor_parallel_size / pipeline_parallel_size shard the model
-    over tp * pp worker actors. num_cpus_per_worker: Ray CPUs (and torch threads) per worker,
+    over tp * pp worker actors. enable_expert_parallel: a mixture-of-experts model's experts are
+    shared out whole over the TP ranks (expert parallelism of size tensor_parallel_size, as
+    vLLM's --enable-expert-parallel without data parallelism) instead of every expert being
+    split; attention stays tensor-parallel. num_cpus_per_worker: Ray CPUs (and torch threads) per worker,
     default the machine's cores shared evenly; num_gpus_per_worker: default 1 on CUDA, 0 on
     CPU. distributed_timeout_s bounds every collective, so a dead peer is an error, not a hang.
     executor: where the model runs under AsyncLLM. "local": in the engine actor's own process
@@ -205,6 +208,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     num_cpus_per_worker: float | None = None
     num_gpus_per_worker: float | None = None
     distributed_timeout_s: float = 60.0

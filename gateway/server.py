@@ -29,6 +29,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="share a mixture-of-experts model's experts out whole over the TP ranks",
+    )
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument(
         "--executor",
@@ -94,6 +99,7 @@ def _engine_client(args: argparse.Namespace) -> EngineClient:
     kwargs = engine_kwargs(args) | dict(
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         num_blocks=args.num_blocks,
     )
     if args.in_process:

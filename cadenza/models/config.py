@@ -12,9 +12,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, False),
     "Phi3ForCausalLM": (False, False),  # q/k/v and gate/up stored fused (models/fused_checkpoint.py)
+    "MixtralForCausalLM": (False, False),  # routed experts in every layer (models/moe.py)
+    "Qwen3MoeForCausalLM": (False, False),  # Qwen3 attention, routed experts (models/moe.py)
 }
 # Families that RMS-normalise each head's query and key before RoPE (a weight of head_dim each).
-QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM"}
+QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +41,26 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    # Mixture of experts (0 experts: every layer a dense MLP). Each routed layer sends a token
+    # to its experts_per_token best experts of num_experts, each an MLP of moe_intermediate_size.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    # Renormalise the chosen experts' softmax weights to sum to 1 (Mixtral always; Qwen3-MoE's
+    # norm_topk_prob).
+    renormalize_experts: bool = True
+    # Qwen3-MoE: layer i is routed when (i + 1) % sparse_step == 0 and i is not listed dense.
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) must be in 1..{self.num_experts}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and (index + 1) % self.sparse_step == 0 and index not in self.dense_layers
 
     @property
     def q_size(self) -> int:
@@ -87,7 +105,25 @@ class ModelConfig:
             rope_scaling=_rope_scaling(cfg),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
+            **_moe_fields(cfg, arch),
         )
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Mixtral's and Qwen3-MoE's spellings of the expert layout (none for dense models).
+    transformers 5 writes num_local_experts for both; Qwen3-MoE's own files say num_experts."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not experts:
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    return dict(
+        num_experts=experts,
+        experts_per_token=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"],
+        renormalize_experts=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        sparse_step=1 if mixtral else cfg.get("decoder_sparse_step", 1),
+        dense_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()),
+    )
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -14,6 +14,7 @@ from cadenza.kernels.quant.gguf_blocks import KEPT_TYPES, packed_from_gguf
 from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
 from cadenza.models.gguf_reader import field_value, open_gguf, read_gguf_config  # noqa: F401 - this module's API
+from cadenza.models.moe import expert_weight_name
 
 Q = gguf.GGMLQuantizationType
 # Types gguf's numpy dequantizer handles and we test or trust; anything else is refused by name.
@@ -43,12 +44,16 @@ def iter_gguf_tensors(
     """HF-named tensors: fp32, or with `keep` every 2-D tensor of a type in KEPT_TYPES as a
     PackedWeight of its stored bytes. llama.cpp permutes Llama's Q/K rows for its RoPE; undo
     that here (on the rows, which blocks never cross)."""
-    permuted = cfg.architecture == "LlamaForCausalLM"  # llama.cpp permutes Llama's (and Mistral's) only
+    # llama.cpp permutes Llama's (and Mistral's and Mixtral's) only
+    permuted = cfg.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
+        if t.name.endswith("_exps.weight") or ".ffn_gate_inp." in t.name:
+            yield from _expert_tensors(t, cfg, keep)
+            continue
         name = hf_name(t.name, path)
         heads = None
         if permuted and t.name.split(".")[-2] in ("attn_q", "attn_k"):
@@ -62,6 +67,30 @@ def iter_gguf_tensors(
         if heads is not None:
             array = unpermute_rows(array, heads)
         yield name, torch.from_numpy(np.array(array, copy=True))
+
+
+def _expert_tensors(
+    t: gguf.ReaderTensor, cfg: ModelConfig, keep: bool
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """A routed layer's router, or one of its [E, rows, cols] expert tensors as E tensors under
+    the per-expert names (views of one packed weight when kept: its rows are the experts' rows)."""
+    _, layer, kind, _ = t.name.split(".")
+    prefix = f"model.layers.{layer}."
+    shape = tuple(int(d) for d in reversed(t.shape))
+    if kind == "ffn_gate_inp":
+        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        yield expert_weight_name(cfg, prefix, -1, "router"), torch.from_numpy(np.array(array, copy=True))
+        return
+    role = kind.removeprefix("ffn_").removesuffix("_exps")
+    experts, rows, cols = shape
+    if keep and t.tensor_type.name in KEPT_TYPES:
+        packed = packed_from_gguf(t.tensor_type.name, t.data, experts * rows, cols)
+        for e in range(experts):
+            yield expert_weight_name(cfg, prefix, e, role), packed.row_view(e * rows, (e + 1) * rows)
+        return
+    array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+    for e in range(experts):
+        yield expert_weight_name(cfg, prefix, e, role), torch.from_numpy(np.array(array[e], copy=True))
 
 
 def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:

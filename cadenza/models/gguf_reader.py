@@ -12,7 +12,12 @@ import numpy as np
 from cadenza.models.config import ModelConfig
 
 # GGUF architecture -> HF architecture. Mistral files say "llama".
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
 
 
 class _PlainArrayReader(gguf.GGUFReader):
@@ -56,8 +61,10 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     heads = meta("attention.head_count")
     hidden = meta("embedding_length")
     names = {t.name for t in reader.tensors}
+    experts = meta("expert_count", 0)
     return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        # Mixtral files say "llama" too: experts tell them apart.
+        architecture="MixtralForCausalLM" if arch == "llama" and experts else _ARCHITECTURES[arch],
         vocab_size=meta("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
@@ -76,6 +83,22 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         rope_freq_factors=_freq_factors(reader),
         eos_token_ids=_eos_ids(reader),
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        **_moe_fields(meta, experts, names),
+    )
+
+
+def _moe_fields(meta: Any, experts: int, names: set[str]) -> dict[str, Any]:
+    """llama.cpp's expert keys; its Mixtral and Qwen3-MoE both renormalise the chosen weights.
+    A layer without a router is a dense one."""
+    if not experts:
+        return {}
+    layers = range(meta("block_count"))
+    return dict(
+        dense_layers=tuple(i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in names),
+        num_experts=experts,
+        experts_per_token=meta("expert_used_count"),
+        moe_intermediate_size=meta("expert_feed_forward_length") or meta("feed_forward_length"),
+        renormalize_experts=bool(meta("expert_weights_norm", True)),
     )
 
 

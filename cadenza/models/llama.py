@@ -16,47 +16,20 @@ from cadenza.kernels import ops
 from cadenza.kernels.attention.cpu import reads_cache
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.cpu.decode_stack import DecodeLayer, DecodeStackKernel, DecodeStackShape, bind_decode_stack
-from cadenza.kernels.linear import LinearMethod, choose_linear_method, dense_linear
+from cadenza.kernels.linear import choose_linear_method
 from cadenza.kernels.linear.packed import PackedLinear
 from cadenza.kernels.ops import Kernels
 from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
 from cadenza.models.embedding import PackedEmbedding
+from cadenza.models.linear import Linear
+from cadenza.models.moe import SparseMoE
 from cadenza.models.packing import pack_linear, pack_weight, packs_embedding
 from cadenza.models.rope import cos_sin_cache
 from cadenza.models.tp import SINGLE, TPGroup
 from cadenza.weight_format import WeightFormat
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class Linear(nn.Module):
-    """y = x W^T + b. W arrives dense as weight_t [in, out] (the loaders fill it, tensor
-    parallelism slices it); prepare_kernels then hands it to the LinearMethod chosen for it."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
-        # Set instead of weight_t when the weight arrives packed (a GGUF's blocks kept as
-        # stored), or when prepare_kernels packs it: one part, or several by rows.
-        self.packed: list[PackedWeight] | None = None
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # Row-parallel under tensor parallelism: partial sums are all-reduced across ranks.
-        self.reduce: TPGroup = SINGLE
-        self.method: LinearMethod | None = None  # None until chosen: the dense weight_t as loaded
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense_linear(x, self.weight_t, self.bias) if self.method is None else self.method.apply(x, self.bias)
-        return self.reduce.all_reduce(y)
-
-    def weight_bytes(self) -> int:
-        return self.weight_t.nbytes if self.method is None else self.method.weight_bytes()
-
-    def set_packed(self, parts: list[PackedWeight]) -> None:
-        """Hold W as packed parts from now on; the dense weight_t is released (one copy)."""
-        self.packed = parts
-        self.weight_t = nn.Parameter(torch.empty(0, device=parts[0].device), requires_grad=False)
 
 
 class Attention(nn.Module):
@@ -101,11 +74,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
@@ -152,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         # torch._refs, seconds of every worker's start-up.
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         # Tied models get their own copy, so its method may re-lay it out (see kernels/linear).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -242,11 +215,14 @@ class LlamaForCausalLM(nn.Module):
                 )
             elif isinstance(module, Attention):
                 module.bf16_products = fmt.gemm_dtype == torch.bfloat16
+        for module in self.modules():  # after the projections: experts run on their methods
+            if isinstance(module, SparseMoE):
+                module.prepare(kernels)
         self._prepare_embedding()
         self.decode_stack = None
         # The C stack has no all-reduce: tensor-parallel layers run op by op; other backends too,
-        # and q/k norms (Qwen3), which the stack does not compute.
-        if self.tp.size == 1 and kernels.backend == "cpu" and not self.cfg.qk_norm:
+        # and q/k norms (Qwen3) and routed experts, which the stack does not compute.
+        if self.tp.size == 1 and kernels.backend == "cpu" and not self.cfg.qk_norm and not self.cfg.num_experts:
             cfg = self.cfg
             shape = DecodeStackShape(
                 hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,

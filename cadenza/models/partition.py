@@ -43,6 +43,13 @@ def head_slice(cfg: ModelConfig, tp: int, rank: int) -> HeadSlice:
     return HeadSlice(q_start, q_start + per_rank, kv, kv + 1)
 
 
+def expert_slice(num_experts: int, ranks: int, rank: int) -> tuple[int, int]:
+    """[first, end) of the whole experts a rank holds under expert parallelism."""
+    if num_experts < ranks:
+        raise ValueError(f"expert parallelism over {ranks} ranks needs at least as many experts, not {num_experts}")
+    return split_evenly(num_experts, ranks, rank)
+
+
 def padded_vocab_slice(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     """Equal-width vocab slices (the last padded), so logits all-gather in one collective."""
     width = -(-vocab // tp)

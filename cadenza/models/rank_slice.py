@@ -15,6 +15,8 @@ import torch
 
 from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
+from cadenza.models.moe import expert_of
+from cadenza.models.partition import expert_slice
 from cadenza.models.tp import TPGroup, head_slice, padded_vocab_slice, split_evenly
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -31,8 +33,12 @@ class Cut:
 
 
 class RankSlicer:
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, layers: tuple[int, int], first: bool, last: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, layers: tuple[int, int], first: bool, last: bool, expert_parallel: bool
+    ) -> None:
         self.cfg, self.tp, self.layers, self.first, self.last = cfg, tp, layers, first, last
+        self.experts = expert_slice(cfg.num_experts, tp.size, tp.rank) if expert_parallel and cfg.num_experts else None
+        self.expert_ff = split_evenly(cfg.moe_intermediate_size, tp.size, tp.rank)
         heads, d = head_slice(cfg, tp.size, tp.rank), cfg.head_dim
         self.q = (heads.q_start * d, heads.q_end * d)
         self.kv = (heads.kv_start * d, heads.kv_end * d)
@@ -61,6 +67,9 @@ class RankSlicer:
     def _layer_part(self, leaf: str, t: Tensor) -> tuple[Tensor, int | None] | None:
         if self.tp.size == 1:
             return t, None  # the loader's own offsets hold
+        expert = expert_of(leaf)
+        if expert is not None:
+            return self._expert_part(expert, leaf, t)
         q, kv, ff = self.q, self.kv, self.ff
         q_local, kv_local = q[1] - q[0], kv[1] - kv[0]
         rows = {
@@ -81,6 +90,17 @@ class RankSlicer:
         if proj in columns:  # a row-parallel bias: added once, by rank 0, after the all-reduce
             return (t, None) if self.tp.rank == 0 else None
         return t, None  # norms: whole on every rank
+
+    def _expert_part(self, expert: tuple[int, str], leaf: str, t: Tensor) -> tuple[Tensor, int | None] | None:
+        """The router whole; under expert parallelism this rank's experts whole, else every
+        expert's slice of I. The loader places them from the sharded layer's own geometry."""
+        index, role = expert
+        if role == "router":
+            return t, None
+        if self.experts is not None:
+            return (t, None) if self.experts[0] <= index < self.experts[1] else None
+        start, end = self.expert_ff
+        return _dense(t, leaf).narrow(1 if role == "down" else 0, start, end - start), None
 
     def _vocab_rows(self, t: Tensor) -> Tensor:
         if self.tp.size == 1:

@@ -11,12 +11,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cadenza.models.llama import Attention, Linear, LlamaForCausalLM
-from cadenza.models.partition import stage_layers  # noqa: F401 - this module's API
+from cadenza.models.linear import Linear
+from cadenza.models.llama import Attention, LlamaForCausalLM
+from cadenza.models.moe import SparseMoE
+from cadenza.models.partition import (
+    expert_slice,
+    stage_layers,  # noqa: F401 - this module's API
+)
 from cadenza.models.tp import TPGroup, head_slice, padded_vocab_slice, split_evenly
 
 
-def shard_model(model: LlamaForCausalLM, tp: TPGroup, stage: int, num_stages: int) -> LlamaForCausalLM:
+def shard_model(
+    model: LlamaForCausalLM, tp: TPGroup, stage: int, num_stages: int, expert_parallel: bool = False
+) -> LlamaForCausalLM:
     start, end = stage_layers(model.cfg.num_layers, num_stages, stage)
     model.layers = nn.ModuleList(list(model.layers)[start:end])
     model.is_first_stage, model.is_last_stage = stage == 0, stage == num_stages - 1
@@ -25,7 +32,7 @@ def shard_model(model: LlamaForCausalLM, tp: TPGroup, stage: int, num_stages: in
     if not model.is_last_stage:
         model.lm_head = Linear(1, 1, bias=False).to(model.norm)
     if tp.size > 1:
-        _shard_tensor_parallel(model, tp)
+        _shard_tensor_parallel(model, tp, expert_parallel)
     return model
 
 
@@ -35,7 +42,7 @@ def _keep(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> nn.Parame
     return nn.Parameter(torch.cat(parts, dim=dim).contiguous(), requires_grad=False)
 
 
-def _shard_tensor_parallel(model: LlamaForCausalLM, tp: TPGroup) -> None:
+def _shard_tensor_parallel(model: LlamaForCausalLM, tp: TPGroup, expert_parallel: bool) -> None:
     cfg = model.cfg
     heads = head_slice(cfg, tp.size, tp.rank)
     d = cfg.head_dim
@@ -49,8 +56,11 @@ def _shard_tensor_parallel(model: LlamaForCausalLM, tp: TPGroup) -> None:
         _column(attn.qkv_proj, [q, k, v])
         _row(attn.o_proj, q, tp)
         _set_heads(attn, heads.q_end - heads.q_start, heads.kv_end - heads.kv_start)
-        _column(mlp.gate_up_proj, gate_up)
-        _row(mlp.down_proj, ff, tp)
+        if isinstance(mlp, SparseMoE):
+            _shard_experts(mlp, tp, expert_parallel)
+        else:
+            _column(mlp.gate_up_proj, gate_up)
+            _row(mlp.down_proj, ff, tp)
     model.tp = tp
     start, end = padded_vocab_slice(cfg.vocab_size, tp.size, tp.rank)
     if model.is_first_stage:
@@ -59,6 +69,25 @@ def _shard_tensor_parallel(model: LlamaForCausalLM, tp: TPGroup) -> None:
         model.embed_tokens.num_embeddings = end - start
     if model.is_last_stage:
         model.lm_head.weight_t = _keep(_pad_rows(model.lm_head.weight_t.t(), end).t(), 1, [(start, end)])
+
+
+def _shard_experts(moe: SparseMoE, tp: TPGroup, expert_parallel: bool) -> None:
+    """Expert parallelism: this rank's run of whole experts; else every expert's I split as a
+    dense MLP's is. Either way the partial outputs are summed by the layer's one all-reduce."""
+    inter, hidden = moe.intermediate, moe.hidden_size
+    if expert_parallel:
+        first, end = expert_slice(moe.num_experts, tp.size, tp.rank)
+        moe.gate_up_proj.weight_t = _keep(moe.gate_up_proj.weight_t, 1, [(first * 2 * inter, end * 2 * inter)])
+        moe.down_proj.weight_t = _keep(moe.down_proj.weight_t, 1, [(first * hidden, end * hidden)])
+        moe.first_expert, moe.local_experts = first, end - first
+    else:
+        start, end = split_evenly(inter, tp.size, tp.rank)
+        rows = [(e * 2 * inter + half * inter + start, e * 2 * inter + half * inter + end)
+                for e in range(moe.num_experts) for half in (0, 1)]  # fmt: skip
+        moe.gate_up_proj.weight_t = _keep(moe.gate_up_proj.weight_t, 1, rows)
+        moe.down_proj.weight_t = _keep(moe.down_proj.weight_t, 0, [(start, end)])
+        moe.intermediate = end - start
+    moe.reduce = tp
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:

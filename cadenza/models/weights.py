@@ -17,7 +17,9 @@ from torch import nn
 
 from cadenza.kernels.quant.weight import PackedWeight, cat_rows
 from cadenza.models.config import ModelConfig
-from cadenza.models.llama import Linear, LlamaForCausalLM
+from cadenza.models.linear import Linear
+from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.moe import SparseMoE, moe_weight_names
 from cadenza.models.rank_slice import EMBED, RankSlicer
 from cadenza.models.rope import cos_sin_cache
 from cadenza.models.shard import shard_model, stage_layers
@@ -31,11 +33,14 @@ Loaded = torch.Tensor | PackedWeight
 
 @dataclass(frozen=True, slots=True)
 class ModelPart:
-    """The part of the model one worker holds: a TP rank of one pipeline stage."""
+    """The part of the model one worker holds: a TP rank of one pipeline stage. With
+    expert_parallel, routed layers hold whole experts (a share of them) instead of a TP slice
+    of every expert."""
 
     tp: TPGroup
     stage: int = 0
     num_stages: int = 1
+    expert_parallel: bool = False
 
 
 def build_model(
@@ -53,9 +58,9 @@ def build_model(
         model = LlamaForCausalLM(cfg, max_positions)
     slicer = None
     if part is not None:
-        model = shard_model(model, part.tp, part.stage, part.num_stages)
+        model = shard_model(model, part.tp, part.stage, part.num_stages, part.expert_parallel)
         layers = stage_layers(cfg.num_layers, part.num_stages, part.stage)
-        slicer = RankSlicer(cfg, part.tp, layers, model.is_first_stage, model.is_last_stage)
+        slicer = RankSlicer(cfg, part.tp, layers, model.is_first_stage, model.is_last_stage, part.expert_parallel)
     _materialize_small(model, fmt.compute_dtype, device)
     model.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
     model.weight_format = fmt
@@ -170,17 +175,22 @@ def _target(model: LlamaForCausalLM, cfg: ModelConfig, name: str) -> tuple[nn.Mo
 
 
 def _layer_target(layer: nn.Module, cfg: ModelConfig, rest: str, name: str) -> tuple[nn.Module, str, int | None]:
-    proj, _, kind = rest.rpartition(".")
     attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SparseMoE) and (target := mlp.target(rest)) is not None:
+        return target
+    proj, _, kind = rest.rpartition(".")
     fused = {
         "self_attn.q_proj": (attn.qkv_proj, 0),
         "self_attn.k_proj": (attn.qkv_proj, cfg.q_size),
         "self_attn.v_proj": (attn.qkv_proj, cfg.q_size + cfg.kv_size),
-        "mlp.gate_proj": (mlp.gate_up_proj, 0),
-        "mlp.up_proj": (mlp.gate_up_proj, cfg.intermediate_size),
         "self_attn.o_proj": (attn.o_proj, None),
-        "mlp.down_proj": (mlp.down_proj, None),
     }
+    if not isinstance(mlp, SparseMoE):
+        fused |= {
+            "mlp.gate_proj": (mlp.gate_up_proj, 0),
+            "mlp.up_proj": (mlp.gate_up_proj, cfg.intermediate_size),
+            "mlp.down_proj": (mlp.down_proj, None),
+        }
     attribute = "weight_t" if kind == "weight" else kind
     if proj in fused and getattr(fused[proj][0], attribute, None) is not None:
         module, offset = fused[proj]
@@ -202,7 +212,10 @@ def _check_complete(model: LlamaForCausalLM, filled: set[str]) -> None:
         p = f"model.layers.{i}."
         expected |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         expected |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-        expected |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if cfg.is_moe_layer(i):
+            expected |= moe_weight_names(cfg, p)
+        else:
+            expected |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
         if cfg.qkv_bias:
             expected |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
         if cfg.o_bias:

@@ -29,6 +29,20 @@ class LinearMethod(ABC):
     def weight_bytes(self) -> int:
         """Bytes one pass over the weight reads (what a decode step streams)."""
 
+    @property
+    @abstractmethod
+    def out_features(self) -> int:
+        """Rows of W (output features)."""
+
+    def row_slice(self, start: int, end: int) -> LinearMethod:
+        """The same storage's output rows [start, end) as a method of its own, without a copy
+        (one expert of a layer's fused expert weight: kernels/moe)."""
+        raise NotImplementedError(f"{type(self).__name__} has no row slices")
+
+    def dense_t(self) -> torch.Tensor | None:
+        """W as a dense [in, out] tensor (any strides), where the storage is one; else None."""
+        return None
+
     def c_weight(self) -> BoundWeight | None:
         """W bound for the C kernels that read weights themselves (the decode stack); None
         where this storage has no C binding."""

@@ -38,7 +38,7 @@ def choose_linear_method(
         return DenseLinear(weight)
     # The backend is read once per projection, here: CADENZA_KERNELS=torch (or triton) keeps
     # the C GEMV off, and builds nothing.
-    return CpuFp32Linear(weight, few_rows_kernel=backend(weight.device) == "cpu" and gemv_available())
+    return CpuFp32Linear.taking_over(weight, few_rows_kernel=backend(weight.device) == "cpu" and gemv_available())
 
 
 def _packed_method(weight: PackedWeight, int8_activations: bool, gemm_dtype: torch.dtype) -> LinearMethod:

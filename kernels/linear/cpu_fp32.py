@@ -30,15 +30,31 @@ FEW_ROWS = 8
 
 
 class CpuFp32Linear(LinearMethod):
-    def __init__(self, weight_t: nn.Parameter, few_rows_kernel: bool) -> None:
-        """few_rows_kernel: run the C GEMV up to FEW_ROWS rows (choose_linear_method decides it
-        once, from the backend and the build); without it every row count goes to the BLAS."""
-        rows = weight_t.detach().t().contiguous()
-        # The parameter stays (weights and state_dict see it) as a view of the rows: one copy of W.
-        weight_t.data = rows.t()
+    def __init__(self, rows: torch.Tensor, few_rows_kernel: bool) -> None:
+        """rows: W as contiguous [out, in] fp32. few_rows_kernel: run the C GEMV up to FEW_ROWS
+        rows (choose_linear_method decides it once, from the backend and the build); without
+        it every row count goes to the BLAS."""
         self.rows, self.weight_t = rows, rows.t()
         self.few_rows_kernel = few_rows_kernel
         self._bound: BoundWeight | None = None
+
+    @classmethod
+    def taking_over(cls, weight_t: nn.Parameter, few_rows_kernel: bool) -> CpuFp32Linear:
+        """The method over a loaded [in, out] parameter, re-laid out as rows; the parameter
+        stays (weights and state_dict see it) as a view of the rows: one copy of W."""
+        rows = weight_t.detach().t().contiguous()
+        weight_t.data = rows.t()
+        return cls(rows, few_rows_kernel)
+
+    @property
+    def out_features(self) -> int:
+        return self.rows.shape[0]
+
+    def row_slice(self, start: int, end: int) -> LinearMethod:
+        return CpuFp32Linear(self.rows[start:end], self.few_rows_kernel)  # a contiguous view
+
+    def dense_t(self) -> torch.Tensor:
+        return self.weight_t
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.few_rows_kernel and x.shape[0] <= FEW_ROWS:

@@ -25,3 +25,13 @@ class DenseLinear(LinearMethod):
 
     def weight_bytes(self) -> int:
         return self.weight_t.nbytes
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_t.shape[1]
+
+    def row_slice(self, start: int, end: int) -> LinearMethod:
+        return DenseLinear(self.weight_t[:, start:end])
+
+    def dense_t(self) -> torch.Tensor:
+        return self.weight_t

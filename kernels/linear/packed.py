@@ -94,6 +94,13 @@ class PackedLinear(LinearMethod):
     def weight_bytes(self) -> int:
         return self.weight.nbytes
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.rows
+
+    def row_slice(self, start: int, end: int) -> LinearMethod:
+        return PackedLinear(self.weight.row_view(start, end), self.round_x, self.gemm_dtype)
+
     def packed(self) -> PackedWeight:
         return self.weight
 

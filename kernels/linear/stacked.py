@@ -18,3 +18,17 @@ class StackedLinear(LinearMethod):
 
     def weight_bytes(self) -> int:
         return sum(part.weight_bytes() for part in self.parts)
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    def row_slice(self, start: int, end: int) -> LinearMethod:
+        """The parts' rows that fall in [start, end), each sliced by its own method."""
+        pieces, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(start, offset), min(end, offset + part.out_features)
+            if lo < hi:
+                pieces.append(part.row_slice(lo - offset, hi - offset))
+            offset += part.out_features
+        return pieces[0] if len(pieces) == 1 else StackedLinear(pieces)

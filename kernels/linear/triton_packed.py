@@ -28,5 +28,12 @@ class TritonPackedLinear(LinearMethod):
     def weight_bytes(self) -> int:
         return self.weight.nbytes
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.rows
+
+    def row_slice(self, start: int, end: int) -> LinearMethod:
+        return TritonPackedLinear(self.weight.row_view(start, end))
+
     def packed(self) -> PackedWeight:
         return self.weight

@@ -73,6 +73,14 @@ class PackedWeight:
         rows = sum(e - s for s, e in ranges)
         return replace(self, rows=rows, data=take(self.data), scales=take(self.scales), mins=take(self.mins))
 
+    def row_view(self, start: int, end: int) -> PackedWeight:
+        """Output rows [start, end) as views of this storage (contiguous: rows are the outer dim)."""
+
+        def view(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:end]
+
+        return replace(self, rows=end - start, data=view(self.data), scales=view(self.scales), mins=view(self.mins))
+
     def take_rows(self, index: torch.Tensor) -> PackedWeight:
         """Rows `index` in that order (llama.cpp's Q/K row permutation undone, lookups)."""
 

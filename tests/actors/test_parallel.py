@@ -77,6 +77,21 @@ def test_tiny_parallel_layouts_match_one_worker(
             llm.shutdown()
 
 
+def test_moe_tensor_and_expert_parallel_match_one_worker(ray_cluster, tiny_model) -> None:
+    """Mixtral's 4 experts split by I over 2 TP ranks, then shared out whole (expert
+    parallelism of 2, each rank computing its experts' part, summed over gloo): the same
+    greedy tokens as one worker."""
+    path, _ = tiny_model("mixtral_moe")
+    prompts = [[(11 * i + j) % 150 + 3 for j in range(4 + 7 * i)] for i in range(3)]
+    expected = _reference(str(path), prompts, 16)
+    for expert_parallel in (False, True):
+        llm = AsyncLLM(str(path), num_blocks=128, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+        try:
+            assert _greedy_tokens(llm, prompts, 16) == expected, f"expert_parallel={expert_parallel}"
+        finally:
+            llm.shutdown()
+
+
 @pytest.mark.slow
 def test_smollm_parallel_layouts_match_one_worker(ray_cluster) -> None:
     path, cfg = read_model(DEFAULT_MODEL)

@@ -31,6 +31,8 @@ _NAMES = {
 
 
 def gguf_name(hf: str) -> str:
+    if ".mlp.gate." in hf:  # a routed layer's router
+        return f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight"
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -62,7 +64,7 @@ def write_gguf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -71,26 +73,50 @@ def write_gguf(
     w.add_token_merges([])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for name, tensor in model.state_dict().items():
-        array = tensor.float().numpy()
-        if ".q_proj." in name and arch == "llama":
-            array = permute(array, cfg.num_attention_heads)
-        if ".k_proj." in name and arch == "llama":
-            array = permute(array, cfg.num_key_value_heads)
-        kind = (override or {}).get(gguf_name(name), Q.F32 if array.ndim == 1 else qtype)
+    if getattr(cfg, "num_local_experts", None):
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+        if hasattr(cfg, "norm_topk_prob"):  # Qwen3-MoE's; Mixtral always renormalises
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+    for gguf_key, array in _gguf_arrays(model, arch).items():
+        kind = (override or {}).get(gguf_key, Q.F32 if array.ndim == 1 else qtype)
         if kind == Q.F32:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+            w.add_tensor(gguf_key, np.ascontiguousarray(array))
         elif kind in RAW_TYPES:  # no quantizer in gguf: random blocks of the right size
             block, size = gguf.GGML_QUANT_SIZES[kind]
             raw = np.random.default_rng(0).integers(0, 256, (array.shape[0], array.shape[1] // block * size))
-            w.add_tensor(gguf_name(name), raw.astype(np.uint8), raw_dtype=kind)
+            w.add_tensor(gguf_key, raw.astype(np.uint8), raw_dtype=kind)
         else:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
+            w.add_tensor(gguf_key, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _gguf_arrays(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
+    """GGUF name -> array in llama.cpp's layout: Llama's Q/K rows permuted; a routed layer's
+    experts (transformers holds them fused, [E, 2I, H] gate|up and [E, H, I]) as the
+    ffn_gate_exps / ffn_up_exps / ffn_down_exps stacks."""
+    cfg, arrays = model.config, {}
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name.endswith("experts.gate_up_proj"):
+            layer, half = name.split(".")[2], array.shape[1] // 2
+            arrays[f"blk.{layer}.ffn_gate_exps.weight"] = array[:, :half]
+            arrays[f"blk.{layer}.ffn_up_exps.weight"] = array[:, half:]
+            continue
+        if name.endswith("experts.down_proj"):
+            arrays[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = array
+            continue
+        if ".q_proj." in name and arch == "llama":
+            array = permute(array, cfg.num_attention_heads)
+        if ".k_proj." in name and arch == "llama":
+            array = permute(array, cfg.num_key_value_heads)
+        arrays[gguf_name(name)] = array
+    return arrays
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
@@ -127,6 +153,26 @@ def test_a_qwen3_gguf_matches_its_hf_directory(tiny_model, tmp_path: Path, qtype
     for pos, (got, want) in enumerate(zip(ours[0].prompt_logprobs[1:], ref[0].prompt_logprobs[1:])):
         token = ids[pos + 1]  # the prompt's own token is always among a position's logprobs
         assert abs(got[token].logprob - want[token].logprob) <= 1e-3
+
+
+@pytest.mark.parametrize("kind,arch", [("mixtral_moe", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_a_moe_gguf_matches_its_hf_directory(tiny_model, tmp_path: Path, kind: str, arch: str) -> None:
+    """Experts stored as llama.cpp stores them ([E, rows, cols] per layer and role, a router
+    per layer; Mixtral's under arch llama): F32 against the HF directory, and Q8_0 kept packed
+    (each expert a row view of its stack) against the same file expanded."""
+    directory, hf = tiny_model(kind)
+    ids = torch.randint(3, 160, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+    for qtype in (Q.F32, Q.Q8_0):
+        path = write_gguf(hf, tmp_path / f"{kind}-{qtype.name}.gguf", qtype, arch=arch)
+        llm = LLM(str(path), num_blocks=32)
+        assert llm.engine.model_config.num_experts == 4
+        reference = LLM(str(directory) if qtype == Q.F32 else str(path), num_blocks=32, quantization="none")
+        ours = llm.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs[1:]
+        ref = reference.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs[1:]
+        for pos, (got, want) in enumerate(zip(ours, ref, strict=True)):
+            token = ids[pos + 1]
+            assert abs(got[token].logprob - want[token].logprob) <= 1e-3, (qtype.name, pos)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random blocks hold NaN and inf scales

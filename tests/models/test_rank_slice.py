@@ -28,17 +28,22 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # qwen2_gqa_bias's 6 query heads over 2 KV heads cannot split 4 ways (models/tp.py refuses it).
-CASES = [(kind, tp, pp) for kind in sorted(TINY_CONFIGS) for tp, pp in LAYOUTS if (kind, tp) != ("qwen2_gqa_bias", 4)]
+# Mixture-of-experts models again with expert parallelism (whole experts per rank).
+CASES = [
+    (kind, tp, pp, False) for kind in sorted(TINY_CONFIGS) for tp, pp in LAYOUTS if (kind, tp) != ("qwen2_gqa_bias", 4)
+] + [(kind, tp, pp, True) for kind in ("mixtral_moe", "qwen3_moe") for tp, pp in LAYOUTS if tp > 1]
 
 
-@pytest.mark.parametrize("kind,tp,pp", CASES)
-def test_the_part_read_from_the_file_equals_the_whole_model_cut(tiny_model, kind: str, tp: int, pp: int) -> None:
+@pytest.mark.parametrize("kind,tp,pp,ep", CASES)
+def test_the_part_read_from_the_file_equals_the_whole_model_cut(
+    tiny_model, kind: str, tp: int, pp: int, ep: bool
+) -> None:
     path, _ = tiny_model(kind)
     for rank in range(tp):
         for stage in range(pp):
             group = TPGroup(rank, tp, None)
-            whole = shard_model(load_model(str(path), FP32, "cpu").model, group, stage, pp)
-            part = load_model(str(path), FP32, "cpu", part=ModelPart(group, stage, pp)).model
+            whole = shard_model(load_model(str(path), FP32, "cpu").model, group, stage, pp, ep)
+            part = load_model(str(path), FP32, "cpu", part=ModelPart(group, stage, pp, ep)).model
             expected, got = _state(whole), _state(part)
             assert got.keys() == expected.keys()
             for name, tensor in expected.items():

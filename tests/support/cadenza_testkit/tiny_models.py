@@ -64,6 +64,32 @@ TINY_CONFIGS = {
             ),
         ),
     ),
+    # Routed experts: Mixtral (softmax top-2, renormalised) and Qwen3-MoE (q/k norms, no
+    # renormalisation, a dense layer among the routed ones).
+    "mixtral_moe": (
+        "MixtralConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+        ),
+    ),  # fmt: skip
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+    ),  # fmt: skip
 }
 
 
