@@ -77,11 +77,12 @@ def test_tiny_parallel_layouts_match_one_worker(
             llm.shutdown()
 
 
-def test_moe_tensor_and_expert_parallel_match_one_worker(ray_cluster, tiny_model) -> None:
-    """Mixtral's 4 experts split by I over 2 TP ranks, then shared out whole (expert
-    parallelism of 2, each rank computing its experts' part, summed over gloo): the same
-    greedy tokens as one worker."""
-    path, _ = tiny_model("mixtral_moe")
+@pytest.mark.parametrize("kind", ["mixtral_moe", "qwen3_moe"])
+def test_moe_tensor_and_expert_parallel_match_one_worker(ray_cluster, tiny_model, kind: str) -> None:
+    """4 experts split by I over 2 TP ranks, then shared out whole (expert parallelism of 2,
+    each rank computing its experts' part, summed over gloo): the same greedy tokens as one
+    worker."""
+    path, _ = tiny_model(kind)
     prompts = [[(11 * i + j) % 150 + 3 for j in range(4 + 7 * i)] for i in range(3)]
     expected = _reference(str(path), prompts, 16)
     for expert_parallel in (False, True):

@@ -38,3 +38,24 @@ def test_greedy_decode_steps_match_hf(tiny_model, monkeypatch: pytest.MonkeyPatc
         assert token == int(expected.argmax()), f"greedy token {i} differs from HF's"
         worst = max(worst, abs(top[token].logprob - float(expected[token])))
     assert worst <= 1e-3, f"max |logprob diff| {worst}"
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_greedy_ids_match_hf_through_chunks_a_prefix_hit_and_preemption(tiny_model, kind: str) -> None:
+    """Every family through the scheduler's hard paths: prompts prefilled in chunks of 8, a
+    second wave that reuses the first prompt's cached blocks, and a pool too small for the
+    wave, so requests are preempted and recomputed; greedy ids stay HF's."""
+    path, hf = tiny_model(kind)
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, TINY["vocab_size"], (24,), generator=gen).tolist()
+    prompts = [shared] + [shared + torch.randint(0, TINY["vocab_size"], (4,), generator=gen).tolist() for _ in range(3)]
+    llm = LLM(str(path), block_size=4, num_blocks=14, max_num_batched_tokens=8, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.kv_cache.hits >= 3 * 20 and stats.num_preemptions > 0, stats
+    for prompt, out in zip(prompts, first + rest, strict=True):
+        ids = out.outputs[0].token_ids
+        ref = hf_logprobs(hf, prompt + ids)
+        assert ids == ref[len(prompt) - 1 : -1].argmax(-1).tolist()
