@@ -84,6 +84,13 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_moe(args: argparse.Namespace) -> int:
+    from cadenza.benchmarks.moe import run_moe_bench
+
+    run_moe_bench(args)
+    return 0
+
+
 def cmd_bench_actors(args: argparse.Namespace) -> int:
     from cadenza.benchmarks.actors import run_actor_bench
 
@@ -160,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_offline_args(offline)
     offline.set_defaults(func=cmd_bench_offline)
+    moe_help = "a tiny Mixtral against all its experts and a dense model of its active size"
+    moe = bench_sub.add_parser("moe", help=moe_help)
+    from cadenza.benchmarks.moe import add_moe_args
+
+    add_moe_args(moe)
+    moe.set_defaults(func=cmd_bench_moe)
     actors = bench_sub.add_parser("actors", help="decode step time through the actors vs in-process")
     actors.add_argument("--model", default=DEFAULT_MODEL)
     actors.add_argument("--num-blocks", type=int, default=512)

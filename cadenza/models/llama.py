@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
                 module.bf16_products = fmt.gemm_dtype == torch.bfloat16
         for module in self.modules():  # after the projections: experts run on their methods
             if isinstance(module, SparseMoE):
-                module.prepare(kernels)
+                module.prepare(kernels, fmt.gemm_dtype)
         self._prepare_embedding()
         self.decode_stack = None
         # The C stack has no all-reduce: tensor-parallel layers run op by op; other backends too,

@@ -54,16 +54,16 @@ class SparseMoE(nn.Module):
         experts = self.experts if self.experts is not None else self.prepare(kernels)
         return self.reduce.all_reduce(experts(x, weights, ids))
 
-    def prepare(self, kernels: Kernels) -> Experts:
+    def prepare(self, kernels: Kernels, gemm_dtype: torch.dtype = torch.float32) -> Experts:
         """Bind the experts' path to the projections' methods (an unprepared model binds the
-        dense weights as loaded, on its first step)."""
+        dense weights as loaded, on its first step); gemm_dtype: the format's many-row GEMMs'."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if gate_up.method is None or down.method is None:
             from cadenza.kernels.linear.dense import DenseLinear
 
             gate_up.method, down.method = DenseLinear(gate_up.weight_t), DenseLinear(down.weight_t)
         self.experts = choose_experts(
-            gate_up.method, down.method, self.num_experts, self.first_expert, self.local_experts, kernels
+            gate_up.method, down.method, self.num_experts, self.first_expert, self.local_experts, kernels, gemm_dtype
         )
         return self.experts
 

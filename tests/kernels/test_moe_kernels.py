@@ -10,6 +10,8 @@ from cadenza_testkit.kernel_compare import DEVICE, DTYPES, within_2x
 
 from cadenza.kernels.linear import choose_linear_method
 from cadenza.kernels.linear.dense import DenseLinear
+from cadenza.kernels.moe.batched import BatchedExperts
+from cadenza.kernels.moe.choose import choose_experts
 from cadenza.kernels.moe.grouped import GroupedExperts
 from cadenza.kernels.moe.routing import route_top_k
 from cadenza.kernels.moe.triton_fused import BLOCK_M, align_blocks, fused_moe_ref, fused_moe_triton
@@ -145,3 +147,27 @@ def test_a_decode_step_reads_only_its_experts() -> None:
     weights, ids = _routing(1, 8, 2)
     experts(torch.randn(1, HIDDEN), weights, ids)
     assert sorted(called) == sorted(ids[0].tolist())
+
+
+@pytest.mark.parametrize("kind,gemm_dtype", [("f32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("first,local", [(0, 8), (4, 4)])
+def test_batched_path_past_the_few_row_size_matches_the_reference(
+    kind: str, gemm_dtype: torch.dtype, first: int, local: int
+) -> None:
+    """Where the experts are stored dense in the GEMM dtype, a 40-token step runs them as two
+    padded bmm (this rank's experts only, under expert parallelism); a 3-token step keeps the
+    exact grouped path."""
+    w13, w2 = _layer(8)
+    mine13, mine2 = w13[first : first + local].reshape(-1, HIDDEN), w2[first : first + local].reshape(-1, INTER)
+    store = (lambda w: to_dense_kind(w, "bf16")) if kind == "bf16" else (lambda w: to_dense_kind(w, "f32"))
+    gate_up, down = choose_linear_method([store(mine13)]), choose_linear_method([store(mine2)])
+    experts = choose_experts(gate_up, down, 8, first, local, BUNDLES["cpu"], gemm_dtype)
+    assert isinstance(experts, BatchedExperts)
+    stored13, stored2 = (w13.bfloat16().float(), w2.bfloat16().float()) if kind == "bf16" else (w13, w2)
+    for tokens in (40, 3):
+        weights, ids = _routing(tokens, 8, 2)
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(6))
+        mask = ((ids >= first) & (ids < first + local)).float()  # this rank's share of each token
+        expected = fused_moe_ref(x, stored13, stored2, weights * mask, ids)
+        tol = 2e-2 if gemm_dtype == torch.bfloat16 and tokens > 16 else 1e-4
+        torch.testing.assert_close(experts(x, weights, ids), expected, rtol=tol, atol=tol)
