@@ -45,9 +45,11 @@ def build_runner(
     proposer = build_proposer(config, loaded.config, loaded.max_model_len, num_blocks) if is_driver else None
     device = model.norm.device
     single_stage = model.is_first_stage and model.is_last_stage
-    graphs = graph_settings(
-        config.enforce_eager, device, single_stage, ops.backend(device), config.max_num_seqs, loaded.max_model_len
-    )
+    # Windowed and soft-capped attention runs a per-request torch path with host work in
+    # it (kernels/attention/windowed.py): no graph can capture it.
+    cfg = loaded.config
+    eager = config.enforce_eager or cfg.sliding_window is not None or cfg.attn_softcap is not None
+    graphs = graph_settings(eager, device, single_stage, ops.backend(device), config.max_num_seqs, loaded.max_model_len)
     return ModelRunner(
         model, num_blocks, config.block_size, eos, is_driver, proposer, loaded.tokenizer, graphs, link,
         samples_ahead=config.schedules_ahead, grammar_mask_timeout_s=config.grammar_mask_timeout_s,

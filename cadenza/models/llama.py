@@ -15,6 +15,7 @@ from torch import nn
 from cadenza.kernels import ops
 from cadenza.kernels.attention.cpu import reads_cache
 from cadenza.kernels.attention.metadata import AttentionMetadata
+from cadenza.kernels.attention.windowed import windowed_attention_ref
 from cadenza.kernels.cpu.decode_stack import DecodeLayer, DecodeStackKernel, DecodeStackShape, bind_decode_stack
 from cadenza.kernels.linear import choose_linear_method
 from cadenza.kernels.linear.packed import PackedLinear
@@ -25,19 +26,29 @@ from cadenza.models.embedding import PackedEmbedding
 from cadenza.models.linear import Linear
 from cadenza.models.moe import SparseMoE
 from cadenza.models.packing import pack_linear, pack_weight, packs_embedding
-from cadenza.models.rope import cos_sin_cache
+from cadenza.models.rope import cos_sin_cache, local_cos_sin_cache
 from cadenza.models.tp import SINGLE, TPGroup
 from cadenza.weight_format import WeightFormat
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up (Gemma's GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        sliding = index in cfg.sliding_layers
+        self.window = cfg.sliding_window if sliding else None
+        self.softcap = cfg.attn_softcap
+        self.local_rope = sliding and cfg.local_rope_theta is not None  # reads the model's local cos/sin
         self.bf16_products = False  # prefill attention as the GEMMs: set by prepare_kernels from gemm_dtype
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -59,7 +70,10 @@ class Attention(nn.Module):
             k = kernels.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view_as(k)
         q, k = kernels.rotary(q, k, cos_sin)
         kernels.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        out = kernels.paged_attention(q, kv[0], kv[1], meta, self.scale, self.bf16_products)
+        if self.softcap is None and (self.window is None or max(meta.seq_lens) <= self.window):
+            out = kernels.paged_attention(q, kv[0], kv[1], meta, self.scale, self.bf16_products)
+        else:  # a window that bites, or soft-capped scores: the torch path has both
+            out = windowed_attention_ref(q, kv[0], kv[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -68,16 +82,18 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's gate; every backend runs it in torch
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(gelu_tanh_and_mul(gate_up) if self.gelu else kernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.mlp: MLP | SparseMoE = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -116,7 +132,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole model, or after cadenza.models.shard one rank's part: a pipeline stage
-    (a run of layers) and a tensor-parallel slice of each."""
+    (a run of layers) and a tensor-parallel slice of each. Families whose layers differ
+    subclass it with their own decoder_layer (models/gemma.py; models/families.py maps
+    architectures to classes)."""
+
+    decoder_layer: type[nn.Module] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -125,11 +145,13 @@ class LlamaForCausalLM(nn.Module):
         # torch._refs, seconds of every worker's start-up.
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         # Tied models get their own copy, so its method may re-lay it out (see kernels/linear).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("cos_sin", cos_sin_cache(cfg, max_positions), persistent=False)
+        # Gemma 3's sliding layers turn at their own base (None for every other family).
+        self.register_buffer("cos_sin_local", local_cos_sin_cache(cfg, max_positions), persistent=False)
         self.is_first_stage = self.is_last_stage = True
         self.tp: TPGroup = SINGLE
         self.vocab_start = 0  # this rank's first vocab row (vocab-parallel embedding)
@@ -152,13 +174,17 @@ class LlamaForCausalLM(nn.Module):
         return self.final_norm(x, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of input_ids, times the family's embed_scale (Gemma's sqrt(hidden))."""
         if self.tp.size == 1:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
-        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
-        x[outside] = 0
-        return self.tp.all_reduce(x)
+            x = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+            x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
+            x[outside] = 0
+            x = self.tp.all_reduce(x)
+        scale = self.cfg.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype)
 
     def run_layers(
         self,
@@ -170,13 +196,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers; (x, residual) is what the next pipeline stage continues from."""
         cos_sin = self.cos_sin[positions]
-        # reads_cache: the cache's dtype (kv_cache_dtype), a guard on the data, not the backend.
+        # reads_cache: the cache's dtype (kv_cache_dtype), a guard on the data, not the backend;
+        # a sliding window the stack does not apply changes nothing while the context fits it.
         if self.decode_stack is not None and x.shape[0] == 1 and reads_cache(kv_caches[0][0]):
             slot, seq_len = int(meta.slot_mapping[0]), meta.seq_lens[0]
-            return self.decode_stack(x, residual, cos_sin, kv_caches, slot, meta.block_tables[0], seq_len)
+            if self.cfg.sliding_window is None or seq_len <= self.cfg.sliding_window:
+                return self.decode_stack(x, residual, cos_sin, kv_caches, slot, meta.block_tables[0], seq_len)
         kernels = self._kernels()
+        local = self.cos_sin_local[positions] if self.cos_sin_local is not None else cos_sin
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, kv, meta, kernels)
+            rope = local if layer.self_attn.local_rope else cos_sin
+            x, residual = layer(x, residual, rope, kv, meta, kernels)
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -195,9 +225,11 @@ class LlamaForCausalLM(nn.Module):
         return self.kernels if self.kernels is not None else self.bind_kernels()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] fp32; under TP each rank's vocab slice is gathered (every rank must call)."""
-        logits = self.tp.all_gather_last(self.lm_head(hidden).float())
-        return logits[:, : self.cfg.vocab_size]
+        """[N, vocab] fp32; under TP each rank's vocab slice is gathered (every rank must call).
+        Gemma 2 soft-caps them: tanh(logits / cap) * cap."""
+        logits = self.tp.all_gather_last(self.lm_head(hidden).float())[:, : self.cfg.vocab_size]
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prepare_kernels(self) -> None:
         """Once loaded and sharded: each projection's storage in the weight format and its
@@ -221,8 +253,8 @@ class LlamaForCausalLM(nn.Module):
         self._prepare_embedding()
         self.decode_stack = None
         # The C stack has no all-reduce: tensor-parallel layers run op by op; other backends too,
-        # and q/k norms (Qwen3) and routed experts, which the stack does not compute.
-        if self.tp.size == 1 and kernels.backend == "cpu" and not self.cfg.qk_norm and not self.cfg.num_experts:
+        # and layers the stack does not compute (q/k norms, experts, Gemma's: ModelConfig.plain_layers).
+        if self.tp.size == 1 and kernels.backend == "cpu" and self.cfg.plain_layers:
             cfg = self.cfg
             shape = DecodeStackShape(
                 hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,

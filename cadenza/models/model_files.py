@@ -52,6 +52,6 @@ def load_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
 def max_model_len(cfg: ModelConfig, requested: int | None) -> int:
     if requested is None:
         return cfg.max_position_embeddings
-    if requested > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {requested} exceeds the model's context length {cfg.max_position_embeddings}")
+    if requested > cfg.longest_context:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context length {cfg.longest_context}")
     return requested

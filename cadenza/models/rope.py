@@ -1,18 +1,33 @@
-"""RoPE frequencies, including Llama 3's "llama3", plain "linear" and YaRN ("yarn") scaling."""
+"""RoPE frequencies: plain, and Llama 3's "llama3", "linear", YaRN ("yarn"), Phi-3's
+"longrope" and "dynamic" NTK scaling.
+
+Every scaling is fixed when the model loads, from the longest context the engine will serve
+(max_positions): one cos/sin cache for the model's life. transformers re-derives longrope's
+and dynamic's frequencies from each forward's length, so a conversation that grows past the
+threshold has its earlier keys rotated one way and its later ones another; a fixed choice
+keeps every cached key consistent with every query. Against transformers: longrope takes its
+long factors when the served context exceeds original_max_position_embeddings (as
+transformers does for a sequence that long), its short ones otherwise; dynamic NTK keeps the
+plain base up to the model's max_position_embeddings (as transformers does) and past it
+takes the base for max_positions (transformers': for the sequence's length so far).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from cadenza.models.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] fp32 inverse frequencies after any scaling the config asks for."""
+def inverse_frequencies(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
+    """[head_dim / 2] fp32 inverse frequencies after any scaling the config asks for, for a
+    model serving contexts up to max_positions."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if cfg.rope_freq_factors is not None:
         return inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     scaling = cfg.rope_scaling
@@ -25,7 +40,25 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if kind == "yarn":
         return _yarn(inv_freq, scaling, cfg)
-    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3, linear, yarn")
+    if kind == "longrope":
+        long = max_positions > _original_length(cfg)
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return inv_freq / factors
+    if kind == "dynamic":
+        if max_positions <= cfg.max_position_embeddings:
+            return inv_freq
+        factor = float(scaling["factor"])
+        stretch = factor * max_positions / cfg.max_position_embeddings - (factor - 1)
+        return 1.0 / ((cfg.rope_theta * stretch ** (dim / (dim - 2))) ** exponents)
+    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
+
+
+ROPE_SCALINGS = ("llama3", "linear", "yarn", "longrope", "dynamic")
+
+
+def _original_length(cfg: ModelConfig) -> int:
+    scaling = cfg.rope_scaling or {}
+    return int(scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings)
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -62,8 +95,11 @@ def _yarn(inv_freq: torch.Tensor, s: dict, cfg: ModelConfig) -> torch.Tensor:
 
 
 def attention_scaling(cfg: ModelConfig) -> float:
-    """The factor YaRN multiplies cos and sin by (so q.k by its square); 1 for other kinds."""
+    """The factor YaRN and longrope multiply cos and sin by (so q.k by its square); 1 for
+    other kinds."""
     s = cfg.rope_scaling
+    if s is not None and s["rope_type"] == "longrope":
+        return _longrope_scaling(cfg, s)
     if s is None or s["rope_type"] != "yarn":
         return 1.0
     if s.get("attention_factor") is not None:
@@ -78,9 +114,25 @@ def attention_scaling(cfg: ModelConfig) -> float:
     return mscale(factor)
 
 
+def _longrope_scaling(cfg: ModelConfig, s: dict) -> float:
+    """sqrt(1 + ln(factor) / ln(original length)), factor the context's growth (Phi-3's rule)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    original = _original_length(cfg)
+    factor = float(s.get("factor") or cfg.max_position_embeddings / original)
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def local_cos_sin_cache(cfg: ModelConfig, max_positions: int) -> torch.Tensor | None:
+    """Gemma 3's sliding layers' cache: their own base, unscaled; None for other families."""
+    if cfg.local_rope_theta is None:
+        return None
+    return cos_sin_cache(replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), max_positions)
+
+
 def cos_sin_cache(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
     """[max_positions, head_dim]: cos of each frequency, then sin; fp32 (YaRN's scaling folded in,
     so every kernel that reads the cache applies it)."""
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inverse_frequencies(cfg))
+    freqs = torch.outer(positions, inverse_frequencies(cfg, max_positions))
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling(cfg)

@@ -17,11 +17,12 @@ from torch import nn
 
 from cadenza.kernels.quant.weight import PackedWeight, cat_rows
 from cadenza.models.config import ModelConfig
+from cadenza.models.families import model_class
 from cadenza.models.linear import Linear
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.moe import SparseMoE, moe_weight_names
 from cadenza.models.rank_slice import EMBED, RankSlicer
-from cadenza.models.rope import cos_sin_cache
+from cadenza.models.rope import cos_sin_cache, local_cos_sin_cache
 from cadenza.models.shard import shard_model, stage_layers
 from cadenza.models.tp import TPGroup
 from cadenza.weight_format import WeightFormat
@@ -55,7 +56,7 @@ def build_model(
     With a part, the model is cut to it first (on the meta device) and each tensor is cut as
     it is read (models/rank_slice.py): the worker never holds the whole model."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = model_class(cfg)(cfg, max_positions)
     slicer = None
     if part is not None:
         model = shard_model(model, part.tp, part.stage, part.num_stages, part.expert_parallel)
@@ -63,6 +64,8 @@ def build_model(
         slicer = RankSlicer(cfg, part.tp, layers, model.is_first_stage, model.is_last_stage, part.expert_parallel)
     _materialize_small(model, fmt.compute_dtype, device)
     model.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
+    local = local_cos_sin_cache(cfg, max_positions)
+    model.cos_sin_local = None if local is None else local.to(device)
     model.weight_format = fmt
     loader = _Loader(model, cfg, fmt.compute_dtype, device, slicer)
     for name, tensor in tensors:
@@ -124,6 +127,8 @@ class _Loader:
             setattr(module, attribute, param)
         # Linear weights live transposed ([in, out]); viewing them as [out, in] keeps HF's row offsets.
         view = param.data.t() if isinstance(module, Linear) and attribute == "weight_t" else param.data
+        if self.cfg.norm_offset and name.endswith("norm.weight"):  # Gemma: (1 + w) stored as one weight
+            tensor = tensor.float() + self.cfg.norm_offset
         destination = view if offset is None else view[offset : offset + tensor.shape[0]]
         if destination.shape != tensor.shape:
             raise ValueError(f"weight {name}: expected shape {tuple(destination.shape)}, got {tuple(tensor.shape)}")
@@ -195,7 +200,9 @@ def _layer_target(layer: nn.Module, cfg: ModelConfig, rest: str, name: str) -> t
     if proj in fused and getattr(fused[proj][0], attribute, None) is not None:
         module, offset = fused[proj]
         return module, attribute, offset
-    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight") or (
+        cfg.sandwich_norms and rest in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+    ):
         return layer, rest.split(".")[0], None
     if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and cfg.qk_norm:
         return attn, rest.split(".")[1], None
@@ -211,6 +218,8 @@ def _check_complete(model: LlamaForCausalLM, filled: set[str]) -> None:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         expected |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        if cfg.sandwich_norms:
+            expected |= {p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"}
         expected |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
         if cfg.is_moe_layer(i):
             expected |= moe_weight_names(cfg, p)

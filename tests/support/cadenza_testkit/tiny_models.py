@@ -48,6 +48,25 @@ TINY_CONFIGS = {
             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16),
         ),
     ),
+    # Phi-3's longrope: the tests' sequences are all longer than the original 16 positions,
+    # where transformers (and, for a 512-position context, Cadenza) take the long factors.
+    "phi3_longrope": (
+        "Phi3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            original_max_position_embeddings=16,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                long_factor=[1.0 + 0.25 * i for i in range(8)],
+                short_factor=[1.0 + 0.05 * i for i in range(8)],
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
     "llama3_rope": (
         "LlamaConfig",
         dict(
@@ -90,6 +109,28 @@ TINY_CONFIGS = {
             mlp_only_layers=[1],
         ),
     ),  # fmt: skip
+    # Sliding windows shorter than the tests' prompts, so they bite: Mistral on every layer;
+    # Gemma 2 alternating with global layers, soft-capped scores and logits; Gemma 3 with q/k
+    # norms and its sliding layers on a RoPE base of their own.
+    "mistral_sliding": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=16, tie_word_embeddings=False),
+    ),
+    "gemma2_sliding": (
+        "Gemma2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=12),
+    ),
+    "gemma3_sliding": (
+        "Gemma3TextConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=12,
+            layer_types=["sliding_attention", "full_attention"],
+            architectures=["Gemma3ForCausalLM"],
+        ),
+    ),
 }
 
 
