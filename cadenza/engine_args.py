@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from cadenza.config import DEFAULT_MODEL, LOGIT_LIST_LIMITS
 from cadenza.device import DEVICES
@@ -26,7 +27,11 @@ from cadenza.request_limits import (
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="HF directory, .gguf file, Hub id (org/name) or packaged model name"
+    )
+    p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
+    p.add_argument("--download-dir", default=None, help="the Hub cache to read and fetch into (default: HF_HUB_CACHE)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where native, else fp32")
     p.add_argument(
         "--quantization",
@@ -95,6 +100,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
+
+
+def apply_hub_flags(args: argparse.Namespace) -> None:
+    """--revision and --download-dir as the environment the Hub lookup reads
+    (cadenza/models/hub.py): the model is resolved in this process, the engine actor and its
+    workers, which inherit it."""
+    if getattr(args, "revision", None):
+        os.environ["CADENZA_HUB_REVISION"] = args.revision
+    if getattr(args, "download_dir", None):
+        os.environ["HF_HUB_CACHE"] = args.download_dir
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from cadenza.config import DEFAULT_MODEL
-from cadenza.engine_args import add_engine_args, engine_kwargs
+from cadenza.engine_args import add_engine_args, apply_hub_flags, engine_kwargs
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_hub_flags(args)
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback

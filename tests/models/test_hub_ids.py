@@ -47,3 +47,25 @@ def test_a_hub_id_not_in_the_cache_is_one_clear_error(tmp_path: Path, monkeypatc
 def test_what_counts_as_a_hub_id() -> None:
     assert looks_like_hub_id("Qwen/Qwen3-0.6B") and looks_like_hub_id("meta-llama/Llama-3.2-1B-Instruct")
     assert not looks_like_hub_id("/abs/model") and not looks_like_hub_id("a/b/c") and not looks_like_hub_id("x.gguf")
+
+
+def test_revision_and_download_dir_flags_pick_the_cache_and_the_ref(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`cadenza generate --model org/name --download-dir D --revision v1` as vLLM spells it:
+    the cache D, the snapshot tag v1 points at; an unknown ref is one clear error."""
+    from cadenza_testkit.tiny_models import build_tiny_chat_model
+
+    from cadenza.cli.main import main
+
+    model = build_tiny_chat_model(tmp_path / "chat")
+    cache = _cache_with(tmp_path, "cadenza-tests/tiny-chat", model)
+    repo = cache / "models--cadenza-tests--tiny-chat"
+    (repo / "refs" / "main").write_text("f" * 40)  # main points nowhere: only v1 resolves
+    (repo / "refs" / "v1").write_text("0123456789abcdef0123456789abcdef01234567")
+    for name in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "CADENZA_HUB_REVISION"):
+        monkeypatch.setenv(name, "1" if name == "HF_HUB_OFFLINE" else "")
+    args = ["generate", "--model", "cadenza-tests/tiny-chat", "--download-dir", str(cache), "--max-tokens", "3"]
+    assert main([*args, "--revision", "v1", "hello"]) == 0
+    assert main([*args, "--revision", "v2", "hello"]) == 2
+    assert "not found in the local Hub cache" in capsys.readouterr().err
