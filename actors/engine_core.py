@@ -87,6 +87,14 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_size
 
 
+def droppable_window(config: EngineConfig, cfg: ModelConfig) -> int | None:
+    """The window behind which KV blocks go back to the pool: where every layer slides, and
+    no draft model reads the same block tables over the whole context."""
+    spec = config.speculative_config
+    every_layer = cfg.sliding_window is not None and len(cfg.sliding_layers) == cfg.num_layers
+    return cfg.sliding_window if every_layer and (spec is None or spec.method != "draft_model") else None
+
+
 def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, max_model_len: int) -> int:
     """Blocks in the pool: num_blocks when given; else as many as max_num_seqs requests of
     max_model_len tokens can use at once (each rounded up to whole blocks), capped by what
@@ -124,6 +132,7 @@ class EngineCore:
             config.max_pinned_fraction,
             config.max_pinned_sessions,
             config.max_pinned_sessions_per_tenant,
+            window=droppable_window(config, model_config),
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -214,7 +223,9 @@ class EngineCore:
         if self.config.scheduling_policy == "fcfs" and req.priority:
             req = msgspec.structs.replace(req, priority=0)
         if req.sampling_params.max_tokens is None:
-            kv_tokens = self.kv.pool.num_blocks * self.config.block_size
+            # With a window the pool bounds what a request holds, not how long it runs.
+            windowed = self.kv.window is not None
+            kv_tokens = self.max_model_len if windowed else self.kv.pool.num_blocks * self.config.block_size
             room = max_tokens_to_fill(len(req.prompt_token_ids), self.max_model_len, kv_tokens)
             req.sampling_params = msgspec.structs.replace(req.sampling_params, max_tokens=room)
         return req
@@ -222,7 +233,7 @@ class EngineCore:
     def _validate(self, req: EngineRequest) -> None:
         prompt = req.prompt_token_ids
         check_request(req.sampling_params, prompt, self.limits)  # the context included
-        blocks = self.kv.blocks_needed(len(prompt) + req.sampling_params.max_tokens)
+        blocks = self.kv.peak_blocks(len(prompt) + req.sampling_params.max_tokens, self.config.max_num_batched_tokens)
         if blocks > self.kv.pool.num_blocks:
             raise ValueError(
                 f"the request needs {blocks} KV blocks but the pool only has {self.kv.pool.num_blocks}; "

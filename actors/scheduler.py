@@ -395,6 +395,6 @@ class Scheduler:
         self.kv.pool.check_invariants()
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert not set(map(id, self.running)) & set(map(id, self.waiting)), "request both running and waiting"
-        held = sum(len(self.kv.block_ids(r)) for r in self.requests.values())
+        held = sum(len(self.kv.held_block_ids(r)) for r in self.requests.values())
         referenced = sum(b.ref_cnt for b in self.kv.pool.blocks)
         assert held == referenced, f"block tables hold {held} references, pool counts {referenced}"
