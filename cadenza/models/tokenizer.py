@@ -14,6 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from cadenza.models.chat_spans import RenderedChat, render_with_spans, special_text_pattern
 from cadenza.models.chat_template import render_chat
 from cadenza.models.gguf_reader import field_value
+from cadenza.models.spm_gguf import sentencepiece_bpe
 
 # Pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` name (the patterns each
 # model family's reference tokenizer uses).
@@ -139,22 +140,31 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, path: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
         kind = field_value(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{path}: unsupported GGUF tokenizer {kind!r}; supported: 'gpt2' (byte-level BPE)")
+        if kind not in ("gpt2", "llama"):
+            raise ValueError(
+                f"{path}: unsupported GGUF tokenizer {kind!r}; "
+                "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
+            )
         tokens = field_value(reader, "tokenizer.ggml.tokens")
-        merges = field_value(reader, "tokenizer.ggml.merges") or []
         types = field_value(reader, "tokenizer.ggml.token_type") or []
-        pre = field_value(reader, "tokenizer.ggml.pre", "default")
-        try:
-            backend = _byte_level_bpe(tokens, merges, types, pre)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+        if kind == "llama":  # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says not to
+            backend = sentencepiece_bpe(
+                tokens, field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens), types
+            )
+            add_bos_default = True
+        else:
+            merges = field_value(reader, "tokenizer.ggml.merges") or []
+            try:
+                backend = _byte_level_bpe(tokens, merges, types, field_value(reader, "tokenizer.ggml.pre", "default"))
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+            add_bos_default = False
         return cls(
             backend,
             field_value(reader, "tokenizer.chat_template"),
             field_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids,
-            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
         )
 
 
