@@ -34,7 +34,7 @@ class ChatRun(OpenAIRun):
         super().__init__(state, body, admitted, headers)
         self.tools = tools  # how calls are read from the reply (None: the reply is all content)
         self._tool_deltas: dict[int, tool_choice.ToolDeltas] = {}  # a streamed choice's, by index
-        parser = state.settings.reasoning_parser  # "": the reply is all content
+        parser = state.reasoning_parser  # "": the reply is all content
         self.reasoning = ReasoningTally(parser) if parser else None
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:

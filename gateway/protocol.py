@@ -202,12 +202,19 @@ def text_part(text: str) -> Json:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def usage(input_tokens: int, cached_tokens: int, output_tokens: int) -> Json:
+def reasoning_item(item_id: str, text: str, status: str) -> Json:
+    """A reasoning model's thinking (the reasoning parser's split), as open-weight models'
+    Responses output carries it: reasoning_text content, no summary."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def usage(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> Json:
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 

@@ -12,10 +12,26 @@ the work linear in the reply (issue #38's rule for every scan of model text)."""
 
 from __future__ import annotations
 
+from cadenza.models.chat_template import render_chat
 from cadenza.outputs import CompletionOutput
 
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def parser_for(template: str | None, configured: str) -> str:
+    """The parser for a model ("" for none): configured, else recognised from its chat
+    template. A template whose generation prompt leaves the reply inside <think> (DeepSeek-R1's
+    distills) reads as deepseek_r1; one that otherwise writes <think> (Qwen3, QwQ) as qwen3."""
+    if configured != "auto":
+        return "" if configured == "none" else configured
+    if not template or OPEN not in template:
+        return ""
+    try:
+        prompt = render_chat(template, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    except ValueError:  # a template that needs more than a plain turn: its markers still say
+        prompt = ""
+    return "deepseek_r1" if prompt.rstrip().endswith(OPEN) else "qwen3"
 
 
 class ReasoningSplitter:

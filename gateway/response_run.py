@@ -3,6 +3,11 @@
 last token, a cancel, a steer, a closed socket or any failure. Every event goes to the
 response's log (for replay) and to its transport: the websocket it was created on, or
 nothing over HTTP, whose readers follow the log.
+
+Output items are numbered as they open. Without a reasoning parser the message opens at
+once (output 0); with one (`--reasoning-parser`), a reply that thinks first opens a
+`reasoning` item (its text in response.reasoning_text.delta events) and the message opens
+with the first text of the answer; function calls follow the message.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import protocol as p
 from cadenza.gateway.observe import Observation
+from cadenza.gateway.reasoning import ReasoningTally
 from cadenza.gateway.response_store import StoredResponse
 from cadenza.gateway.state import GatewayState, PreparedResponse, new_id
 from cadenza.gateway.stream_tally import StreamTally
@@ -58,6 +64,13 @@ class ResponseRun:
         self.tool_stream = ToolDeltas(tools) if tools is not None and tools.mode == "auto" else None
         self.content = ""  # what was streamed as text (the reply less its calls, under tools)
         self.calls: list[ToolCall] = []
+        parser = state.reasoning_parser
+        self.reasoning = ReasoningTally(parser) if parser else None
+        self.thinking = ""  # the reasoning text streamed
+        self.outputs = 0  # output items opened so far: the next one's output_index
+        self.reasoning_ref: p.Json | None = None  # output_index / item_id / content_index while open
+        self.reasoning_output: list[p.Json] = []  # the reasoning item once closed
+        self.message_ref: p.Json | None = None
 
     def response(self, status: str, output: list[p.Json], **fields: Any) -> p.Json:
         r = p.response_object(
@@ -82,30 +95,53 @@ class ResponseRun:
             self.log.finish()
 
     async def _run(self) -> None:
-        item = {"output_index": 0, "item_id": self.item_id, "content_index": 0}
         try:
-            finish = await self.open_and_stream(item)
+            finish = await self.open_and_stream()
             self.job.finishing = True
             self.tally.finish(self.prepared.response_id, len(self.prepared.prompt_ids), [finish])
-            await self.finish(finish, item)
+            await self.finish(finish)
         except Exception as e:  # the engine, a double, our own code: it ends this response only
             self.tally.fail(e)
             await self.fail(e)
 
-    async def open_and_stream(self, item: p.Json) -> str:
+    async def open_and_stream(self) -> str:
         """From response.created to the last delta: a cancel or steer anywhere in here (before the
         first token included) ends the response with its terminal event."""
         try:
             await self.emit({"type": "response.created", "response": self.response("in_progress", [])})
             await self.emit({"type": "response.in_progress", "response": self.response("in_progress", [])})
-            added = p.message_item(self.item_id, "", "in_progress")
-            await self.emit({"type": "response.output_item.added", "output_index": 0, "item": added})
-            await self.emit({"type": "response.content_part.added", **item, "part": p.text_part("")})
-            return await self.stream(item)
+            if self.reasoning is None:
+                await self.open_message()
+            return await self.stream()
         except asyncio.CancelledError:
             return "steered" if self.job.steer_input is not None else "cancelled"
 
-    async def stream(self, item: p.Json) -> str:
+    async def open_message(self) -> p.Json:
+        """The message item's reference, opening it (output_item.added, content_part.added) first;
+        the thinking, if any, is over then: its item closes first."""
+        if self.message_ref is None:
+            await self.close_reasoning("completed")
+            self.message_ref = {"output_index": self.outputs, "item_id": self.item_id, "content_index": 0}
+            self.outputs += 1
+            added = p.message_item(self.item_id, "", "in_progress")
+            await self.emit({"type": "response.output_item.added", "output_index": self.outputs - 1, "item": added})
+            await self.emit({"type": "response.content_part.added", **self.message_ref, "part": p.text_part("")})
+        return self.message_ref
+
+    async def think(self, text: str, extras: p.Json) -> None:
+        """Thinking text, into the reasoning item (opened on its first text)."""
+        if self.reasoning_ref is None:
+            self.reasoning_ref = {"output_index": self.outputs, "item_id": new_id("rs"), "content_index": 0}
+            self.outputs += 1
+            added = p.reasoning_item(self.reasoning_ref["item_id"], "", "in_progress")
+            await self.emit({"type": "response.output_item.added", "output_index": self.outputs - 1, "item": added})
+            part = {"type": "reasoning_text", "text": ""}
+            await self.emit({"type": "response.content_part.added", **self.reasoning_ref, "part": part})
+        self.thinking += text
+        event = {"type": "response.reasoning_text.delta", **self.reasoning_ref, "delta": text, p.EXTRA_KEY: extras}
+        await self.emit(event)
+
+    async def stream(self) -> str:
         state = self.transport.state
         prepared = self.prepared
         stream = state.generate(
@@ -120,22 +156,22 @@ class ResponseRun:
         async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
                 out = self.tally.add(delta)
-                text = self._visible(out.text, bool(out.finish_reason))
-                if text or out.token_ids:
-                    extras: p.Json = {"token_ids": out.token_ids}
-                    if state.speculative:  # how many of these tokens were drafts the model accepted
-                        extras["accepted_tokens"] = out.num_accepted_tokens
-                    if out.logprobs:
-                        extras["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
-                    await self.emit(
-                        {
-                            "type": "response.output_text.delta",
-                            **item,
-                            "delta": text,
-                            "logprobs": [],
-                            p.EXTRA_KEY: extras,
-                        }
-                    )
+                extras: p.Json = {"token_ids": out.token_ids}
+                if state.speculative:  # how many of these tokens were drafts the model accepted
+                    extras["accepted_tokens"] = out.num_accepted_tokens
+                if out.logprobs:
+                    extras["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+                text, thought = out.text, ""
+                if self.reasoning is not None:
+                    self.reasoning.add(out)
+                    thought, text = self.reasoning.latest.pop(out.index, ("", text))
+                    if thought:
+                        await self.think(thought, extras)
+                text = self._visible(text, bool(out.finish_reason))
+                if text or (out.token_ids and not thought and (self.reasoning is None or self.message_ref)):
+                    ref = await self.open_message()
+                    event = {"type": "response.output_text.delta", **ref, "delta": text, "logprobs": []}
+                    await self.emit({**event, p.EXTRA_KEY: extras})
         return self.tally.reasons.get(0, "stop")  # one sequence: the websocket has no n
 
     def _visible(self, text: str, last: bool) -> str:
@@ -154,14 +190,16 @@ class ResponseRun:
         self.content += shown
         return shown
 
-    async def finish(self, finish: str, item: p.Json) -> None:
+    async def finish(self, finish: str) -> None:
         """Terminal events; runs also after a cancel or steer (the socket may still be open)."""
         complete, text = finish == "stop", self.content
+        item_status = "completed" if complete else "incomplete"
+        await self.close_reasoning(item_status)  # a reply cut off while thinking
+        item = await self.open_message()  # a reply with no answer text still has its message
         await self.emit({"type": "response.output_text.done", **item, "text": text, "logprobs": []})
         await self.emit({"type": "response.content_part.done", **item, "part": p.text_part(text)})
-        item_status = "completed" if complete else "incomplete"
         message = p.message_item(self.item_id, text, item_status)
-        await self.emit({"type": "response.output_item.done", "output_index": 0, "item": message})
+        await self.emit({"type": "response.output_item.done", "output_index": item["output_index"], "item": message})
         calls = await self.emit_calls(item_status)
         turn: p.Json = {"role": "assistant", "content": text}
         if self.calls:
@@ -173,19 +211,34 @@ class ResponseRun:
         )
         reason = {"length": "max_output_tokens", "steered": "steered"}.get(finish)
         status = "completed" if complete else ("cancelled" if finish == "cancelled" else "incomplete")
+        reasoning_tokens = self.reasoning.tokens if self.reasoning is not None else 0
+        tally = self.tally
         fields = {
-            "usage": p.usage(len(self.prepared.prompt_ids), self.tally.cached_tokens, self.tally.completion_tokens),
+            "usage": p.usage(len(prepared.prompt_ids), tally.cached_tokens, tally.completion_tokens, reasoning_tokens),
             "incomplete_details": {"reason": reason} if reason else None,
             "completed_at": int(p.now()) if complete else None,
             p.EXTRA_KEY: self.timings(),
         }
         kind = "response.completed" if complete else "response.incomplete"
-        await self.emit({"type": kind, "response": self.response(status, [message, *calls], **fields)})
+        output = [*self.reasoning_output, message, *calls]
+        await self.emit({"type": kind, "response": self.response(status, output, **fields)})
+
+    async def close_reasoning(self, status: str) -> None:
+        """The reasoning item's closing events, where one is open."""
+        ref, self.reasoning_ref = self.reasoning_ref, None
+        if ref is None:
+            return
+        part = {"type": "reasoning_text", "text": self.thinking}
+        await self.emit({"type": "response.reasoning_text.done", **ref, "text": self.thinking})
+        await self.emit({"type": "response.content_part.done", **ref, "part": part})
+        item = p.reasoning_item(ref["item_id"], self.thinking, status)
+        await self.emit({"type": "response.output_item.done", "output_index": ref["output_index"], "item": item})
+        self.reasoning_output = [item]
 
     async def emit_calls(self, status: str) -> list[p.Json]:
         """Each function call as an output item after the message, with its argument events."""
         items = []
-        for index, call in enumerate(self.calls, start=1):
+        for index, call in enumerate(self.calls, start=self.outputs):
             item_id = new_id("fc")
             ref = {"output_index": index, "item_id": item_id}
             opened = p.function_call_item(item_id, call.id, call.name, "", "in_progress")

@@ -72,7 +72,9 @@ class GatewaySettings:
     reasoning_parser: how a reasoning model's thinking is read apart from its answer (vLLM's
         flag): `qwen3` (a reply that opens with <think>) or `deepseek_r1` (a reply that starts
         inside its thinking), given as `reasoning_content` beside `content`, and counted as
-        usage.completion_tokens_details.reasoning_tokens. Empty, the default: all content.
+        usage.completion_tokens_details.reasoning_tokens (a `reasoning` output item and
+        output_tokens_details.reasoning_tokens on the Responses API). `auto`, the default:
+        recognised from the chat template (gateway/reasoning.parser_for); `none`: all content.
     priority_api_keys: API keys whose requests may ask for a priority below the interactive 0
         (body `priority` or `x-priority`; gateway/scheduling.py); each is also accepted
         wherever api_key is. Empty, the default: no request may jump ahead of interactive
@@ -131,7 +133,7 @@ class GatewaySettings:
     default_max_output_tokens: int = 512
     stream_pacing: bool = False
     tool_call_parser: str = "auto"
-    reasoning_parser: str = ""
+    reasoning_parser: str = "auto"
     batch_priority: int = 10
     response_log_size: int = 256
     response_log_ttl_s: float = 600.0
@@ -182,9 +184,9 @@ class GatewaySettings:
         if self.tool_call_parser not in ("auto", *PARSERS):
             choices = ", ".join(PARSERS)
             raise ValueError(f"tool_call_parser must be auto or one of {choices}, got {self.tool_call_parser!r}")
-        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+        if self.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
             choices = ", ".join(REASONING_PARSERS)
-            raise ValueError(f"reasoning_parser must be one of {choices} (or empty), got {self.reasoning_parser!r}")
+            raise ValueError(f"reasoning_parser must be one of {choices}, auto or none, got {self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
         if isinstance(self.priority_api_keys, str) or not all(k.strip() for k in self.priority_api_keys):

@@ -20,6 +20,7 @@ from cadenza.gateway.grammar_budget import GrammarBudget
 from cadenza.gateway.metrics import Metrics
 from cadenza.gateway.openai_schema import ChatCompletionRequest
 from cadenza.gateway.protocol import Json, ResponseCreate, input_messages
+from cadenza.gateway.reasoning import parser_for as reasoning_parser_for
 from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.response_events import ResponseLogs
 from cadenza.gateway.response_format import combined, from_text_format
@@ -79,7 +80,9 @@ class GatewayState:
             s.response_log_max_bytes, s.response_log_max_response_bytes,
         )  # fmt: skip
         self.tokenizer = engine.get_tokenizer()
-        self.tool_parser = parser_for(getattr(self.tokenizer, "chat_template", None), settings.tool_call_parser)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = parser_for(template, settings.tool_call_parser)
+        self.reasoning_parser = reasoning_parser_for(template, settings.reasoning_parser)  # "": none
         self.metrics = Metrics(model_name)
         self.tracing = tracing
         # Speculation on: streams and usage report how many drafts the model accepted.

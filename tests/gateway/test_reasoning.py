@@ -66,8 +66,29 @@ def test_a_streamed_reply_sends_thinking_then_content(client: openai.OpenAI) -> 
 
 
 def test_a_bad_parser_name_is_refused() -> None:
-    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1, auto or none"):
         GatewaySettings(reasoning_parser="o1")
+
+
+QWEN3_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+R1_LIKE = (
+    "{% for m in messages %}<|User|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}"
+)
+
+
+def test_the_parser_is_recognised_from_the_chat_template() -> None:
+    from cadenza.gateway.reasoning import parser_for
+
+    assert parser_for(QWEN3_LIKE, "auto") == "qwen3"
+    assert parser_for(R1_LIKE, "auto") == "deepseek_r1"
+    assert parser_for("{{ messages[0].content }}", "auto") == ""  # no thinking in the template
+    assert parser_for(None, "auto") == "" and parser_for(R1_LIKE, "none") == ""
+    assert parser_for(QWEN3_LIKE, "deepseek_r1") == "deepseek_r1"  # named wins
 
 
 @pytest.mark.parametrize(
@@ -112,3 +133,51 @@ def test_the_splitter_is_linear_in_the_reply() -> None:
     splitter.feed("<think>")
     total = sum(len(splitter.feed("<" + "x" * 7)[0]) for _ in range(20000))
     assert total == 20000 * 8 and len(splitter.held) < len("</think>")
+
+
+def test_a_response_carries_its_thinking_as_a_reasoning_item(client: openai.OpenAI) -> None:
+    """The Responses API: a reasoning item (reasoning_text) before the message, its tokens in
+    usage.output_tokens_details.reasoning_tokens."""
+    response = client.responses.create(model=DEFAULT_MODEL, input="2+2?")
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Two plus two."
+    assert message.type == "message" and response.output_text == "It is 4."
+    assert response.usage.output_tokens_details.reasoning_tokens == 6
+
+
+def test_a_streamed_response_sends_reasoning_events_then_the_answer(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model=DEFAULT_MODEL, input="2+2?", stream=True))
+    kinds = [e.type for e in events]
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thinking, answer) == ("Two plus two.", "It is 4.")
+    # The reasoning item opens (output 0) and closes before the message opens (output 1).
+    opened = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert opened == [(0, "reasoning"), (1, "message")]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert events[-1].type == "response.completed"
+
+
+@pytest.mark.slow
+def test_the_chat_page_folds_the_thinking_above_the_answer() -> None:
+    from cadenza_testkit.browser import CHROMIUM_ARGS, chromium_path
+    from playwright.sync_api import expect, sync_playwright
+
+    settings = GatewaySettings(port=free_port(), reasoning_parser="qwen3")
+    with serve_in_thread(build_app(ScriptedEngine(0.0), DEFAULT_MODEL, settings), settings.port):
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                page.goto(f"http://127.0.0.1:{settings.port}/")
+                expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+                page.fill("#input", "2+2?")
+                page.keyboard.press("Enter")
+                reply = page.locator(".msg.assistant").nth(0)
+                expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=30_000)
+                thought = page.locator("details.think")
+                assert thought.get_attribute("open") is None  # folded
+                assert thought.locator("div").text_content() == "Two plus two."
+                assert reply.inner_text().startswith("It is 4.")
+            finally:
+                browser.close()
