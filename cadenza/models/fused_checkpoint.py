@@ -9,13 +9,17 @@ from collections.abc import Iterator
 
 import torch
 
+from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
+
+Loaded = torch.Tensor | PackedWeight
 
 FUSED_CHECKPOINT_ARCHITECTURES = {"Phi3ForCausalLM"}
 
 
-def split_fused(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every fused projection split into its parts (views)."""
+def split_fused(tensors: Iterator[tuple[str, Loaded]], cfg: ModelConfig) -> Iterator[tuple[str, Loaded]]:
+    """The checkpoint's tensors with every fused projection split into its parts (views; a
+    GGUF's packed rows split as stored)."""
     parts = {
         "self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), (cfg.q_size, cfg.kv_size, cfg.kv_size)),
         "mlp.gate_up_proj": (("gate_proj", "up_proj"), (cfg.intermediate_size, cfg.intermediate_size)),
@@ -27,8 +31,12 @@ def split_fused(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -
             yield name, tensor
             continue
         names, sizes = parts[fused]
-        if tensor.shape[0] != sum(sizes):
-            raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))})")
+        rows = tensor.rows if isinstance(tensor, PackedWeight) else tensor.shape[0]
+        if rows != sum(sizes):
+            raise ValueError(f"{name}: {rows} rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))})")
         stem = head[: -len(fused.rpartition(".")[2])]
-        for part, piece in zip(names, tensor.split(list(sizes), dim=0)):
-            yield f"{stem}{part}.{kind}", piece
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        packed = isinstance(tensor, PackedWeight)
+        for part, start, size in zip(names, starts, sizes, strict=True):
+            end = start + size
+            yield f"{stem}{part}.{kind}", tensor.row_view(start, end) if packed else tensor[start:end]

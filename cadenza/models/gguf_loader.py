@@ -36,6 +36,15 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma's four norms: llama.cpp calls the MLP's input norm ffn_norm, as Llama's one second norm.
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3's fused projections keep their fused names (models/fused_checkpoint.py splits them).
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def iter_gguf_tensors(
@@ -47,14 +56,14 @@ def iter_gguf_tensors(
     # llama.cpp permutes Llama's (and Mistral's and Mixtral's) only
     permuted = cfg.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _SKIPPED:  # RoPE factors: read into the config (gguf_reader.py)
             continue
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
         if t.name.endswith("_exps.weight") or ".ffn_gate_inp." in t.name:
             yield from _expert_tensors(t, cfg, keep)
             continue
-        name = hf_name(t.name, path)
+        name = hf_name(t.name, path, _family_names(cfg))
         heads = None
         if permuted and t.name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
@@ -104,10 +113,18 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(name: str, path: Path) -> str:
+def _family_names(cfg: ModelConfig) -> dict[str, str]:
+    if cfg.sandwich_norms:
+        return {**_LAYER_NAMES, **_GEMMA_NAMES}
+    if cfg.architecture == "Phi3ForCausalLM":
+        return {**_LAYER_NAMES, **_PHI3_NAMES}
+    return _LAYER_NAMES
+
+
+def hf_name(name: str, path: Path, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     raise ValueError(f"{path}: unexpected tensor {name!r}")

@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 
 from cadenza.models.config import ModelConfig
+from cadenza.models.gguf_families import gemma_fields, longrope_scaling
 
 # GGUF architecture -> HF architecture. Mistral files say "llama".
 _ARCHITECTURES = {
@@ -17,6 +18,9 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -79,11 +83,13 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        rope_scaling=_rope_scaling(meta),
+        rope_scaling=longrope_scaling(reader, meta) if arch == "phi3" else _rope_scaling(meta),
         rope_freq_factors=_freq_factors(reader),
         eos_token_ids=_eos_ids(reader),
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         **_moe_fields(meta, experts, names),
+        **(gemma_fields(arch, meta, hidden, heads, meta("block_count")) if arch.startswith("gemma") else {}),
+        **({} if arch.startswith("gemma") else _window(meta)),
     )
 
 
@@ -100,6 +106,12 @@ def _moe_fields(meta: Any, experts: int, names: set[str]) -> dict[str, Any]:
         moe_intermediate_size=meta("expert_feed_forward_length") or meta("feed_forward_length"),
         renormalize_experts=bool(meta("expert_weights_norm", True)),
     )
+
+
+def _window(meta: Any) -> dict[str, Any]:
+    """A sliding window the file states (Mistral's, under arch llama) covers every layer."""
+    window = meta("attention.sliding_window")
+    return dict(sliding_window=window, sliding_layers=tuple(range(meta("block_count")))) if window else {}
 
 
 def _rope_scaling(meta: Any) -> dict[str, Any] | None:

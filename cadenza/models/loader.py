@@ -46,13 +46,13 @@ def load_model(
             raise ValueError(f"quantization='gguf' keeps a GGUF file's types, but {path} is not a GGUF file")
         cfg = read_hf_config(path)
         tensors, tokenizer = iter_safetensors(path), Tokenizer.from_hf_dir(path, cfg.eos_token_ids)
-        if cfg.architecture in FUSED_CHECKPOINT_ARCHITECTURES:
-            tensors = split_fused(tensors, cfg)
     else:
         reader = open_gguf(path)
         cfg = read_gguf_config(reader, path)
         tensors = iter_gguf_tensors(reader, cfg, path, keep=fmt.keep_gguf)
         tokenizer = Tokenizer.from_gguf(reader, path, cfg.eos_token_ids)
+    if cfg.architecture in FUSED_CHECKPOINT_ARCHITECTURES:
+        tensors = split_fused(tensors, cfg)
     length = max_model_len(cfg, max_len)
     model = build_model(cfg, tensors, fmt, device, length, part)
     model.weights_label = weights_label(model, fmt)

@@ -3,120 +3,19 @@ own GGUF loader on the same file; clear errors for what is unsupported."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from cadenza_testkit.gguf_writer import write_gguf
 
 from cadenza import LLM, SamplingParams
-from cadenza.models.tokenizer import _byte_alphabet
+from cadenza.models.config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
-RAW_TYPES = {Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_S, Q.TQ2_0}  # gguf cannot quantize these
-_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-}
-
-
-def gguf_name(hf: str) -> str:
-    if ".mlp.gate." in hf:  # a routed layer's router
-        return f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight"
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf in top:
-        return top[hf]
-    _, _, layer, *rest = hf.split(".")
-    module, kind = ".".join(rest[:-1]), rest[-1]
-    return f"blk.{layer}.{_NAMES[module]}.{kind}"
-
-
-def permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's convert-time row order for Q and K."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(
-    model: torch.nn.Module, path: Path, qtype: Q, override: dict[str, Q] | None = None, arch: str = "llama"
-) -> Path:
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    if getattr(cfg, "head_dim", None):
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(list(_byte_alphabet().values())[: cfg.vocab_size])
-    w.add_token_types([1] * cfg.vocab_size)
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    if getattr(cfg, "num_local_experts", None):
-        w.add_expert_count(cfg.num_local_experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
-        w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
-        if hasattr(cfg, "norm_topk_prob"):  # Qwen3-MoE's; Mixtral always renormalises
-            w.add_expert_weights_norm(cfg.norm_topk_prob)
-    for gguf_key, array in _gguf_arrays(model, arch).items():
-        kind = (override or {}).get(gguf_key, Q.F32 if array.ndim == 1 else qtype)
-        if kind == Q.F32:
-            w.add_tensor(gguf_key, np.ascontiguousarray(array))
-        elif kind in RAW_TYPES:  # no quantizer in gguf: random blocks of the right size
-            block, size = gguf.GGML_QUANT_SIZES[kind]
-            raw = np.random.default_rng(0).integers(0, 256, (array.shape[0], array.shape[1] // block * size))
-            w.add_tensor(gguf_key, raw.astype(np.uint8), raw_dtype=kind)
-        else:
-            w.add_tensor(gguf_key, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _gguf_arrays(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
-    """GGUF name -> array in llama.cpp's layout: Llama's Q/K rows permuted; a routed layer's
-    experts (transformers holds them fused, [E, 2I, H] gate|up and [E, H, I]) as the
-    ffn_gate_exps / ffn_up_exps / ffn_down_exps stacks."""
-    cfg, arrays = model.config, {}
-    for name, tensor in model.state_dict().items():
-        array = tensor.float().numpy()
-        if name.endswith("experts.gate_up_proj"):
-            layer, half = name.split(".")[2], array.shape[1] // 2
-            arrays[f"blk.{layer}.ffn_gate_exps.weight"] = array[:, :half]
-            arrays[f"blk.{layer}.ffn_up_exps.weight"] = array[:, half:]
-            continue
-        if name.endswith("experts.down_proj"):
-            arrays[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = array
-            continue
-        if ".q_proj." in name and arch == "llama":
-            array = permute(array, cfg.num_attention_heads)
-        if ".k_proj." in name and arch == "llama":
-            array = permute(array, cfg.num_key_value_heads)
-        arrays[gguf_name(name)] = array
-    return arrays
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
@@ -155,18 +54,38 @@ def test_a_qwen3_gguf_matches_its_hf_directory(tiny_model, tmp_path: Path, qtype
         assert abs(got[token].logprob - want[token].logprob) <= 1e-3
 
 
-@pytest.mark.parametrize("kind,arch", [("mixtral_moe", "llama"), ("qwen3_moe", "qwen3moe")])
-def test_a_moe_gguf_matches_its_hf_directory(tiny_model, tmp_path: Path, kind: str, arch: str) -> None:
-    """Experts stored as llama.cpp stores them ([E, rows, cols] per layer and role, a router
-    per layer; Mixtral's under arch llama): F32 against the HF directory, and Q8_0 kept packed
-    (each expert a row view of its stack) against the same file expanded."""
+FAMILIES = [
+    ("mixtral_moe", "llama"),
+    ("qwen3_moe", "qwen3moe"),
+    ("mistral_sliding", "llama"),
+    ("gemma2_sliding", "gemma2"),
+    ("gemma3_sliding", "gemma3"),
+    ("phi3_longrope", "phi3"),
+]
+
+
+@pytest.mark.parametrize("kind,arch", FAMILIES)
+def test_each_familys_gguf_matches_its_hf_directory(tiny_model, tmp_path: Path, kind: str, arch: str) -> None:
+    """Each family as llama.cpp's converter writes it: experts as [E, rows, cols] stacks and a
+    router per layer (Mixtral under arch llama, told apart by expert_count); Gemma's norms
+    with their 1 folded in, its extra norms, window and soft-caps; Phi-3's fused projections
+    and longrope factor tensors. F32 against the HF directory, and Q8_0 kept packed against
+    the same file expanded."""
     directory, hf = tiny_model(kind)
     ids = torch.randint(3, 160, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+    expected = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     for qtype in (Q.F32, Q.Q8_0):
         path = write_gguf(hf, tmp_path / f"{kind}-{qtype.name}.gguf", qtype, arch=arch)
         llm = LLM(str(path), num_blocks=32)
-        assert llm.engine.model_config.num_experts == 4
+        got = llm.engine.model_config
+        assert (got.num_experts, got.sliding_window, got.sliding_layers) == (
+            expected.num_experts,
+            expected.sliding_window,
+            expected.sliding_layers,
+        )
+        if expected.architecture != "MistralForCausalLM":  # Mistral's files say llama
+            assert got.architecture == expected.architecture
         reference = LLM(str(directory) if qtype == Q.F32 else str(path), num_blocks=32, quantization="none")
         ours = llm.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs[1:]
         ref = reference.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs[1:]

@@ -127,7 +127,7 @@ TINY_CONFIGS = {
             num_key_value_heads=2,
             head_dim=16,
             sliding_window=12,
-            layer_types=["sliding_attention", "full_attention"],
+            num_hidden_layers=6,  # Gemma 3's pattern: five sliding layers, then a global one
             architectures=["Gemma3ForCausalLM"],
         ),
     ),
