@@ -24,6 +24,7 @@ KERNELS = {
     "w8a16_matmul",
     "w4a16_matmul",
     "gguf_matmul",
+    "fused_moe",
 }
 
 
