@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 
+from cadenza.cli.vllm_compat import dtype_value, token_count
 from cadenza.config import DEFAULT_MODEL, LOGIT_LIST_LIMITS
 from cadenza.device import DEVICES
 from cadenza.format_names import (
@@ -28,11 +29,15 @@ from cadenza.request_limits import (
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=DEFAULT_MODEL, help="HF directory, .gguf file, Hub id (org/name) or packaged model name"
+        "--model",
+        default=None,
+        help=f"HF directory, .gguf file, Hub id (org/name) or packaged model name (default: {DEFAULT_MODEL})",
     )
     p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     p.add_argument("--download-dir", default=None, help="the Hub cache to read and fetch into (default: HF_HUB_CACHE)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 where native, else fp32")
+    p.add_argument(
+        "--dtype", default="auto", type=dtype_value, choices=DTYPE_CHOICES, help="auto: bf16 where native, else fp32"
+    )
     p.add_argument(
         "--quantization",
         default=None,
@@ -69,8 +74,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=token_count, default=None, help="2048, 32k (32,000) or 32K (32,768)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's spelling (default on)",
+    )
     p.add_argument("--scheduling-policy", default="priority", choices=["fcfs", "priority"])
     p.add_argument("--session-pin-ttl-s", type=float, default=300.0, help="keep a conversation's prefix KV this long")
     p.add_argument("--max-pinned-fraction", type=float, default=0.25, help="the most of the KV pool pins may hold")
@@ -129,7 +140,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=(
+            args.enable_prefix_caching if args.enable_prefix_caching is not None else not args.no_prefix_caching
+        ),
         speculative_config=args.speculative_config,
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs,

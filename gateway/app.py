@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -33,6 +34,7 @@ from cadenza.gateway.responses_ws import ResponsesSocket
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
 from cadenza.gateway.tracing import Tracing, provider_from_env
+from cadenza.gateway.utility_routes import UtilityRoutes
 from cadenza.request_limits import key_subprotocol, offered_subprotocols, presented_keys
 
 
@@ -110,9 +112,15 @@ def build_app(
 
     http = OpenAIHttp(state)
     responses_http = ResponsesHttp(state)
+    utility = UtilityRoutes(state)
     routes = [
         Route("/", index),
         Route("/v1/models", http.models),
+        Route("/v1/models/{model_id:path}", utility.model),
+        Route("/tokenize", utility.tokenize, methods=["POST"]),
+        Route("/detokenize", utility.detokenize, methods=["POST"]),
+        Route("/version", utility.version),
+        Route("/ping", health, methods=["GET", "POST"]),
         Route("/v1/chat/completions", http.chat_completions, methods=["POST"]),
         Route("/v1/completions", http.completions, methods=["POST"]),
         Route("/health", health),
@@ -124,9 +132,28 @@ def build_app(
         Route("/v1/responses/{response_id}/cancel", responses_http.cancel, methods=["POST"]),
     ]
     guard = Middleware(HttpGuard, settings=settings, drain=state.drain, check_host=check_host)
-    app = Starlette(routes=routes, middleware=[guard])
+    app = Starlette(routes=routes, middleware=[*cors(settings), guard])
     app.state.gateway = state
     return app
+
+
+def cors(settings: GatewaySettings) -> list[Middleware]:
+    """CORS headers for the origins --allowed-origins names (vLLM's flag): a browser app there
+    may read our answers. Outermost, so it answers preflights itself (they carry no key); a
+    preflight from any other origin is refused, and its request then by the guard's Origin
+    check. No origins named: none is sent (the chat page is same-origin)."""
+    if not settings.allowed_origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            allow_credentials=False,  # the API key travels in a header, never in cookies
+            expose_headers=["Retry-After", "X-Request-Id"],
+        )
+    ]
 
 
 async def handle_socket(ws: WebSocket, state: GatewayState, check_host: bool = True) -> None:

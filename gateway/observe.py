@@ -1,8 +1,10 @@
-"""One request's observation: Prometheus latencies and token counts plus its trace span,
-fed the same deltas the client gets, so both paths (HTTP and websocket) report alike."""
+"""One request's observation: Prometheus latencies and token counts, its trace span and its
+request-log line (logger cadenza.requests, at INFO), fed the same deltas the client gets, so
+both paths (HTTP and websocket) report alike."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 from cadenza.gateway.metrics import Metrics
 from cadenza.gateway.tracing import Tracing
 from cadenza.outputs import RequestOutput
+
+request_log = logging.getLogger("cadenza.requests")
 
 
 class Observation:
@@ -57,9 +61,16 @@ class Observation:
         self.recorder.finish(reasons[0] if reasons else "abort", prompt_tokens, now, self.arrival, self.queue_time)
         times = (self.arrival, self.queue_time, self.first_token_at, now)
         self.span.finish(response_id, self.model, reasons, (prompt_tokens, self.output_tokens), times, text)
+        if request_log.isEnabledFor(logging.INFO):
+            ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.arrival:.3f}s"
+            request_log.info(
+                "%s: %d prompt tokens, %d output tokens, ttft %s, total %.3fs, finish %s",
+                response_id, prompt_tokens, self.output_tokens, ttft, now - self.arrival, ",".join(reasons) or "abort",
+            )  # fmt: skip
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
             self.done = True
             self.recorder.finish("error", 0, time.time(), self.arrival, self.queue_time)
             self.span.fail(error)
+            request_log.info("request failed after %.3fs: %s", time.time() - self.arrival, type(error).__name__)

@@ -39,7 +39,10 @@ class OpenAIHttp:
         self.state = state
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.state.model_name, "object": "model", "created": 0, "owned_by": "cadenza"}
+        card = {
+            "id": self.state.model_name, "object": "model", "created": 0, "owned_by": "cadenza",
+            "max_model_len": self.state.engine.max_model_len,
+        }  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
     async def chat_completions(self, request: Request) -> Response:
@@ -77,7 +80,8 @@ class OpenAIHttp:
         run = self._run(body, Admitted(prompt_ids, params, client, grammar, priority, salt), tools, request.headers)
         headers = _ignored_header(body)
         if body.stream:
-            return SseStream(run.sse(), self.state.settings.send_timeout_s, run.close_stream, headers)
+            settings = self.state.settings
+            return SseStream(run.sse(), settings.send_timeout_s, run.close_stream, headers, settings.sse_keep_alive_s)
         try:
             return JSONResponse(await run.whole(), headers=headers)
         except (RequestFailedError, EngineDeadError) as e:

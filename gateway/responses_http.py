@@ -129,7 +129,8 @@ class ResponsesHttp:
                 run.cancel()
             self.state.admission.close_stream(client)
 
-        return SseStream(_sse(log, after), self.state.settings.send_timeout_s, close)
+        settings = self.state.settings
+        return SseStream(_sse(log, after), settings.send_timeout_s, close, keep_alive_s=settings.sse_keep_alive_s)
 
     def _log(self, request: Request) -> ResponseEvents | None:
         """The response's log if it is the caller's tenant's (its key, and the `cache_salt` query

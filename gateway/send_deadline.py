@@ -46,11 +46,18 @@ async def send_within(sending: Awaitable[None], timeout_s: float) -> None:
     task.result()
 
 
+# A reverse proxy must pass events on as they come: not cache them, not buffer them (nginx).
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
+
+
 class SseStream(StreamingResponse):
     """A text/event-stream response whose every send is bounded by `timeout_s`, and which ends
     its body and runs `on_close` however it ends: completed, the client gone (before the
     first chunk included: a never-started generator runs no `finally`, which once leaked a
-    place for good), this task cancelled, or a send not taken in time."""
+    place for good), this task cancelled, or a send not taken in time. After keep_alive_s
+    without an event (a long prefill before the first token) it sends a comment, so a proxy's
+    read timeout does not cut the stream."""
 
     def __init__(
         self,
@@ -58,9 +65,11 @@ class SseStream(StreamingResponse):
         timeout_s: float,
         on_close: Callable[[], Any],
         headers: dict[str, str] | None = None,
+        keep_alive_s: float | None = None,
     ) -> None:
-        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        super().__init__(chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self.chunks, self.timeout_s, self.on_close = chunks, timeout_s, on_close
+        self.keep_alive_s = keep_alive_s or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.ensure_future(_disconnect(receive))
@@ -87,15 +96,31 @@ class SseStream(StreamingResponse):
 
     async def _send_all(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        pending: asyncio.Future[str | bytes] | None = None  # the next chunk, being produced
         try:
             await send_within(send(start), self.timeout_s)
-            async for chunk in self.chunks:
-                data = chunk if isinstance(chunk, bytes) else chunk.encode(self.charset)
-                body = {"type": "http.response.body", "body": data, "more_body": True}
-                await send_within(send(body), self.timeout_s)
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(self.chunks.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=self.keep_alive_s)
+                if not done:  # nothing to send for keep_alive_s: the same chunk is awaited on
+                    await self._send_data(send, KEEP_ALIVE)
+                    continue
+                produced, pending = pending, None
+                try:
+                    chunk = produced.result()
+                except StopAsyncIteration:
+                    break
+                await self._send_data(send, chunk if isinstance(chunk, bytes) else chunk.encode(self.charset))
             await send_within(send({"type": "http.response.body", "body": b"", "more_body": False}), self.timeout_s)
         finally:  # now, not at garbage collection: closing the body aborts its engine request
+            if pending is not None:  # a generator mid-step cannot be closed: stop the step first
+                pending.cancel()
+                await asyncio.wait({pending})
             await self.chunks.aclose()
+
+    async def _send_data(self, send: Send, data: bytes) -> None:
+        await send_within(send({"type": "http.response.body", "body": data, "more_body": True}), self.timeout_s)
 
     async def _abort(self, scope: Scope, gone: asyncio.Future[None]) -> None:
         """Drops the connection, when the server offers that (header_timeout's protocols do;

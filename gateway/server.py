@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import socket
 from types import FrameType
@@ -13,6 +14,7 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
+from cadenza.cli.vllm_compat import add_ignored_flags
 from cadenza.config import EXECUTORS
 from cadenza.engine_args import engine_kwargs
 from cadenza.engine_client import EngineClient
@@ -27,8 +29,12 @@ SHUTDOWN_GRACE_S = 5
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM takes it (the same as --model)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="the engine's seed for unseeded sampling")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) in place of the model's")
+    add_ignored_flags(p)
     p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
@@ -63,8 +69,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         elif f.name == "forwarded_allow_ips":
             text = "proxy addresses whose X-Forwarded-For is trusted (default: none)"
             p.add_argument(flag, nargs="*", default=[], help=text)
-        elif f.name == "api_key":
-            p.add_argument(flag, default=None, help="require `Authorization: Bearer <key>`")
+        elif f.name == "api_key":  # from the environment too, so the key stays out of `ps`
+            text = "require `Authorization: Bearer <key>` (default: $CADENZA_API_KEY)"
+            p.add_argument(flag, default=os.environ.get("CADENZA_API_KEY") or None, help=text)
         elif f.name == "priority_api_keys":
             p.add_argument(flag, nargs="*", default=[], help="keys that may ask for priority below 0 (interactive)")
         elif isinstance(default, bool):  # type=bool would read "--flag False" as True
@@ -83,14 +90,27 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 
 def run_server(args: argparse.Namespace) -> None:
     settings = settings_from_args(args)  # first: a bad flag is one line, before any engine loads
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     engine = _engine_client(args)
+    if args.chat_template:
+        engine.get_tokenizer().chat_template = _template_text(args.chat_template)
     app = build_app(engine, args.served_model_name or args.model, settings)
     print(f"cadenza: serving {args.model} on http://{settings.host}:{settings.port}/", flush=True)
     try:
         serve(app, settings)
     finally:
         engine.shutdown()
+
+
+def _template_text(given: str) -> str:
+    """--chat-template as vLLM takes it: a file's path, or the template itself."""
+    if os.path.isfile(given):
+        with open(given, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in given:
+        raise ValueError(f"--chat-template {given!r}: no such file, and not a Jinja template")
+    return given
 
 
 def _engine_client(args: argparse.Namespace) -> EngineClient:
@@ -100,6 +120,7 @@ def _engine_client(args: argparse.Namespace) -> EngineClient:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        seed=args.seed,
         num_blocks=args.num_blocks,
     )
     if args.in_process:
@@ -131,7 +152,7 @@ def uvicorn_config(app: Starlette, settings: GatewaySettings) -> uvicorn.Config:
         timeout_keep_alive=settings.idle_timeout_s,
         # After the drain: a connection still open this long is cut rather than waited for.
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        log_level="warning",
+        log_level=settings.uvicorn_log_level,
     )
 
 

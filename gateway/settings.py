@@ -9,6 +9,8 @@ from cadenza.gateway.reasoning import REASONING_PARSERS
 from cadenza.gateway.scheduling import MAX_PRIORITY, MIN_PRIORITY
 from cadenza.gateway.tool_calls import PARSERS
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
@@ -75,6 +77,13 @@ class GatewaySettings:
         usage.completion_tokens_details.reasoning_tokens (a `reasoning` output item and
         output_tokens_details.reasoning_tokens on the Responses API). `auto`, the default:
         recognised from the chat template (gateway/reasoning.parser_for); `none`: all content.
+    sse_keep_alive_s: an SSE stream that has sent nothing for this long (a long prefill before
+        its first token) gets a `: keep-alive` comment, so a reverse proxy's read timeout does
+        not cut it (0: never).
+    uvicorn_log_level: uvicorn's own log level (its access log is at info), as vLLM's flag.
+    log_level: Cadenza's own log level: at info, what the engine chose at load (weight format,
+        kernels) and one line per request (cadenza.requests: id, tokens in and out, TTFT,
+        finish reason).
     priority_api_keys: API keys whose requests may ask for a priority below the interactive 0
         (body `priority` or `x-priority`; gateway/scheduling.py); each is also accepted
         wherever api_key is. Empty, the default: no request may jump ahead of interactive
@@ -134,6 +143,9 @@ class GatewaySettings:
     stream_pacing: bool = False
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    sse_keep_alive_s: float = 15.0
+    uvicorn_log_level: str = "warning"
+    log_level: str = "info"
     batch_priority: int = 10
     response_log_size: int = 256
     response_log_ttl_s: float = 600.0
@@ -184,6 +196,13 @@ class GatewaySettings:
         if self.tool_call_parser not in ("auto", *PARSERS):
             choices = ", ".join(PARSERS)
             raise ValueError(f"tool_call_parser must be auto or one of {choices}, got {self.tool_call_parser!r}")
+        if self.sse_keep_alive_s < 0:
+            raise ValueError(f"sse_keep_alive_s must be >= 0, got {self.sse_keep_alive_s}")
+        if self.log_level not in UVICORN_LOG_LEVELS[:-1]:
+            raise ValueError(f"log_level must be one of {', '.join(UVICORN_LOG_LEVELS[:-1])}, got {self.log_level!r}")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            levels = ", ".join(UVICORN_LOG_LEVELS)
+            raise ValueError(f"uvicorn_log_level must be one of {levels}, got {self.uvicorn_log_level!r}")
         if self.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
             choices = ", ".join(REASONING_PARSERS)
             raise ValueError(f"reasoning_parser must be one of {choices}, auto or none, got {self.reasoning_parser!r}")

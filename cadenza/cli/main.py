@@ -6,8 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from cadenza.cli.vllm_compat import take_positional_model, warn_ignored
 from cadenza.config import DEFAULT_MODEL
 from cadenza.engine_args import add_engine_args, apply_hub_flags, engine_kwargs
+from cadenza.version import package_version
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -139,8 +141,19 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_model(args: argparse.Namespace) -> None:
+    """The model: `cadenza serve MODEL` or --model, else the packaged default."""
+    if not hasattr(args, "model"):
+        return
+    args.model_given = args.model is not None
+    take_positional_model(args)
+    if args.model is None:
+        args.model = DEFAULT_MODEL
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadenza", description="Cadenza LLM inference")
+    parser.add_argument("--version", action="version", version=f"cadenza {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one or more prompts and print the text")
     add_engine_args(gen)
@@ -212,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     apply_hub_flags(args)
+    warn_ignored(args)
     try:
+        _resolve_model(args)
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"cadenza: error: {e}", file=sys.stderr)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cadenza_testkit.servers import ARTIFACTS, VLLM_LINE, launch_server
+from cadenza_testkit.tiny_models import build_tiny_chat_model
 
 pytestmark = pytest.mark.heavy  # not in make test-quick: the `cadenza` command end to end, its benchmark too
 
@@ -85,3 +87,14 @@ def test_bench_offline_rejects_zero_rounds() -> None:
     out = run("bench", "offline", "--single-stream-rounds", "0")
     assert out.returncode == 2
     assert "--single-stream-rounds: must be a whole number >= 1, got '0'" in out.stderr
+
+
+def test_a_vllm_command_line_serves_a_request(ray_cluster, tmp_path: Path) -> None:
+    model = build_tiny_chat_model(tmp_path / "chat")
+    with launch_server([str(model), *VLLM_LINE.split()], "vllm_cli.log") as server:
+        body = {"model": str(model), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        status, reply = server.post("/v1/chat/completions", json.dumps(body).encode())
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+    log = (ARTIFACTS / "vllm_cli.log").read_text()
+    assert "ignoring vLLM flags that mean nothing here: --enable-auto-tool-choice" in log
+    assert "cadenza.requests" in log and "4 output tokens" in log  # the request log line at info

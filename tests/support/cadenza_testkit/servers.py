@@ -38,6 +38,12 @@ SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "disable_b
 ARTIFACTS = Path(__file__).resolve().parents[2] / ".artifacts"
 
 
+# A vLLM user's `cadenza serve` line, unchanged: parsed in test_vllm_cli.py, served in test_cli.py.
+VLLM_LINE = (
+    "--enable-prefix-caching -tp 1 --seed 0 --max-model-len 2k --enable-auto-tool-choice --uvicorn-log-level info"
+)
+
+
 @dataclass
 class Server:
     port: int
