@@ -13,12 +13,14 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import tool_choice
 from cadenza.gateway.admission import RETRY_AFTER
+from cadenza.gateway.batch_run import BatchRun
 from cadenza.gateway.chat_run import ChatRun
 from cadenza.gateway.completion_run import CompletionRun
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
@@ -58,26 +60,13 @@ class OpenAIHttp:
             return error_response(e.status, str(e), e.code)
         try:
             priority = request_priority(body.priority, body.service_tier, request.headers, self.state.settings)
+            bodies = self._per_prompt(body)
         except RequestError as e:
             return _refusal(e)
-        admission = self.state.admission
-        client = admission.client(request.client and request.client.host)
-        refused = admission.admit(client, body.stream)  # before the template and tokenizer run
-        if refused is not None:
-            code, message = refused
-            return error_response(429, message, code, **RETRY_AFTER)
-        prepared = False
-        try:  # templates and tokenizers are CPU work: off the event loop every socket shares
-            prompt_ids, params, tools = await asyncio.to_thread(self._prepare, body, kind is ChatCompletionRequest)
-            grammar = await self.state.grammars.admit(client, params)  # compiled in a thread, in budget
-            prepared = True
-        except Exception as e:
-            return _refusal(e)
-        finally:  # a failure, or a cancel: under Serve a client that leaves cancels this task, here
-            if not prepared:
-                admission.give_back(client, body.stream)
-        salt = tenant_salt(presented_key(request.headers), body.cache_salt)
-        run = self._run(body, Admitted(prompt_ids, params, client, grammar, priority, salt), tools, request.headers)
+        runs = await self._admit_all(request, bodies, priority)
+        if isinstance(runs, Response):
+            return runs
+        run = runs[0] if len(runs) == 1 else BatchRun(runs, body.n)  # type: ignore[arg-type]
         headers = _ignored_header(body)
         if body.stream:
             settings = self.state.settings
@@ -90,6 +79,56 @@ class OpenAIHttp:
             return error_response(400, str(e), "invalid_request")
         finally:
             run.release()
+
+    def _per_prompt(self, body: Body) -> list[Body]:
+        """One body per prompt of a completions batch (the request itself otherwise)."""
+        if not isinstance(body, CompletionRequest):
+            return [body]
+        prompts, limit = body.prompts, self.state.settings.max_prompts_per_request
+        if len(prompts) > limit:
+            message = f"{len(prompts)} prompts in one request; at most {limit} (max_prompts_per_request)"
+            raise RequestError(message, "invalid_request", "prompt")
+        return [msgspec.structs.replace(body, prompt=p) for p in prompts]
+
+    async def _admit_all(self, request: Request, bodies: list[Body], priority: int) -> list[OpenAIRun] | Response:
+        """A run per prompt, each holding its own admission place (a batch is that many
+        requests); a refusal of any, or a cancel, gives back the places already taken."""
+        runs: list[OpenAIRun] = []
+        done = False
+        try:
+            for body in bodies:
+                admitted = await self._admit(request, body, priority)
+                if isinstance(admitted, Response):
+                    return admitted
+                runs.append(admitted)
+            done = True
+            return runs
+        finally:
+            if not done:
+                for run in runs:
+                    run.close_stream() if run.body.stream else run.release()
+
+    async def _admit(self, request: Request, body: Body, priority: int) -> OpenAIRun | Response:
+        """A run holding its admission place, or the refusal."""
+        admission = self.state.admission
+        client = admission.client(request.client and request.client.host)
+        refused = admission.admit(client, body.stream)  # before the template and tokenizer run
+        if refused is not None:
+            code, message = refused
+            return error_response(429, message, code, **RETRY_AFTER)
+        prepared = False
+        try:  # templates and tokenizers are CPU work: off the event loop every socket shares
+            chat = isinstance(body, ChatCompletionRequest)
+            prompt_ids, params, tools = await asyncio.to_thread(self._prepare, body, chat)
+            grammar = await self.state.grammars.admit(client, params)  # compiled in a thread, in budget
+            prepared = True
+        except Exception as e:
+            return _refusal(e)
+        finally:  # a failure, or a cancel: under Serve a client that leaves cancels this task, here
+            if not prepared:
+                admission.give_back(client, body.stream)
+        salt = tenant_salt(presented_key(request.headers), body.cache_salt)
+        return self._run(body, Admitted(prompt_ids, params, client, grammar, priority, salt), tools, request.headers)
 
     def _run(
         self, body: Body, admitted: Admitted, tools: tool_choice.ToolPlan | None, headers: Mapping[str, str]

@@ -239,7 +239,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[int]
+    # One prompt (text, or its token ids), or several (texts, or token-id lists): a batch.
+    prompt: str | list[int | str | list[int]]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     # echo: the prompt comes back before the completion, with its tokens' logprobs when
     # logprobs is set (the first token's is null); with max_tokens 0 only the prompt comes
@@ -253,6 +254,15 @@ class CompletionRequest(_Sampling, kw_only=True):
     def __post_init__(self) -> None:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+        if isinstance(self.prompt, list) and len({type(p) for p in self.prompt}) > 1:
+            raise ValueError("prompt: one prompt's token ids, or several prompts (texts or token-id lists), not a mix")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: one, unless prompt lists texts or token-id lists."""
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            return list(self.prompt)  # type: ignore[arg-type]
+        return [self.prompt]  # type: ignore[list-item]
 
     @staticmethod
     def ignored_here() -> tuple[str, ...]:

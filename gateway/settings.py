@@ -77,6 +77,8 @@ class GatewaySettings:
         usage.completion_tokens_details.reasoning_tokens (a `reasoning` output item and
         output_tokens_details.reasoning_tokens on the Responses API). `auto`, the default:
         recognised from the chat template (gateway/reasoning.parser_for); `none`: all content.
+    max_prompts_per_request: most prompts one /v1/completions request may batch (each takes its
+        own admission place, as that many requests would).
     sse_keep_alive_s: an SSE stream that has sent nothing for this long (a long prefill before
         its first token) gets a `: keep-alive` comment, so a reverse proxy's read timeout does
         not cut it (0: never).
@@ -144,6 +146,7 @@ class GatewaySettings:
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     sse_keep_alive_s: float = 15.0
+    max_prompts_per_request: int = 64
     uvicorn_log_level: str = "warning"
     log_level: str = "info"
     batch_priority: int = 10
@@ -170,6 +173,7 @@ class GatewaySettings:
             "max_request_bytes": self.max_request_bytes,
             "max_json_depth": self.max_json_depth,
             "max_messages": self.max_messages,
+            "max_prompts_per_request": self.max_prompts_per_request,
             "max_stream_id_chars": self.max_stream_id_chars,
             "max_lanes_per_socket": self.max_lanes_per_socket,
             "max_responses_per_client": self.max_responses_per_client,
