@@ -53,6 +53,18 @@ def test_only_the_three_required_folders_are_remapped() -> None:
     assert not any((ROOT / name).exists() for name in ("models", "cli", "benchmarks"))
 
 
+def test_every_package_folder_ships_in_the_wheel() -> None:
+    """setuptools lists the packages by name: a folder of modules left off the list works in
+    this checkout (an editable install finds it) and is missing from the built wheel."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for package, folder in config["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *relative.parts]))
+    assert found - set(config["packages"]) == set()
+
+
 def _from_the_root(code: str, *flags: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`python -c code` run in the repository root, so sys.path[0] is the root itself."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
