@@ -26,7 +26,7 @@ class TokensPrompt(msgspec.Struct, frozen=True):
     token_ids: list[int]
 
 
-# A string, a TokensPrompt, or the dicts LLM and AsyncLLM users write (README): {"prompt": str}
+# A string, a TokensPrompt, or the dicts LLM and AsyncLLM users write (docs/python-api.md): {"prompt": str}
 # (a rendered chat template: {"prompt": str, "chat": True}) or {"prompt_token_ids": [...]}.
 Prompt = str | TokensPrompt | dict[str, Any]
 

@@ -4,7 +4,7 @@ does to each projection and to the embedding before choosing their kernels.
 - On-load int8: every projection, the LM head and the embedding, int8 per output channel.
 - On-load int4: the projections int4 in groups; the LM head and the embedding int8. The
   documented choice: the head decides every token, and on SmolLM2 its int4 version cost
-  several points of perplexity for 21% of the weights (see README "Formats").
+  several points of perplexity for 21% of the weights (see docs/formats.md).
 - bf16 / f16 on the CPU: the dense weights stored as those rows (the kernels compute in fp32).
 - fp32 on the CPU, or any dense dtype on CUDA: left dense (their own fast paths).
 """

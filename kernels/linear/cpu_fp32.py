@@ -10,7 +10,7 @@ embedding's lookups, so fp32 holds one copy of each weight.
 A oneDNN-packed second copy used to serve 9-64 rows (at 32 rows the LM head took 18.5 ms
 against 41 through MKL, a 3072 x 576 projection 0.86 against 1.42 ms); it doubled the
 weights' memory, and a format's resident bytes are now held to its size, so it is gone:
-batch decode in fp32 pays that difference (README "Formats").
+batch decode in fp32 pays that difference (docs/formats.md).
 """
 
 from __future__ import annotations

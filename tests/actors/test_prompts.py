@@ -1,5 +1,5 @@
 """Prompts as the engine clients take them: a TokensPrompt passes its ids through untouched,
-the README's dict prompts still work, and every EngineClient takes what the Protocol names."""
+the dict prompts docs/python-api.md shows still work, and every EngineClient takes what the Protocol names."""
 
 from __future__ import annotations
 

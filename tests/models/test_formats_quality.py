@@ -3,7 +3,7 @@
 prompt-logprobs path, against HF transformers' fp32 and against our fp32; greedy agreement
 with fp32 over 16 prompts x 32 tokens; resident weight bytes against each format's size.
 
-The measured values are printed (pytest -s) and quoted in README "Formats"."""
+The measured values are printed (pytest -s) and quoted in docs/formats.md."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def test_each_format_keeps_perplexity_within_its_bound(measured: dict[str, dict]
 
 @pytest.mark.parametrize("name", [n for n in FORMATS if n != "fp32"])
 def test_greedy_tokens_agree_with_fp32(measured: dict[str, dict], name: str) -> None:
-    """A floor well under what each format measures (README), so a broken kernel fails it."""
+    """A floor well under what each format measures (docs/formats.md), so a broken kernel fails it."""
     floor = 0.5 if name in ("bf16", "gguf-q4_1") else 0.15
     assert _agreement(measured[name]["greedy"], measured["fp32"]["greedy"]) >= floor
 
