@@ -1,13 +1,19 @@
-"""Prometheus metrics at /metrics, named like vLLM's under `cadenza:`.
+"""Prometheus metrics at /metrics, vLLM's set under a prefix (`cadenza:` by default;
+--metrics-prefix vllm gives vLLM's exact names, so its Grafana dashboard and alert rules
+match as they are).
 
 Per-request latencies and token counts are observed here in the gateway, where the user's
-clock runs; engine state (running/waiting, KV usage, prefix-cache queries and hits,
-preemptions, speculative drafts and acceptances) is read from the engine's stats at scrape time.
+clock runs: TTFT, inter-token latency (also as vLLM's older time_per_output_token_seconds),
+each request's mean TPOT, queue, prefill (scheduled to first token), decode (first token to
+finish), inference (scheduled to finish) and end-to-end times, prompt and generation lengths.
+Engine state (running/waiting, KV usage, prefix-cache queries and hits, preemptions,
+speculative drafts and acceptances) is read from the engine's stats at scrape time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,22 +24,33 @@ from cadenza.stats import ServingStats, SpecDecodeStats
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_LENGTH = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self, model_name: str, prefix: str = "cadenza") -> None:
+        self.model_name, self.prefix = model_name, prefix
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
-        histogram = lambda name, doc, buckets: Histogram(name, doc, labels, buckets=buckets, registry=r)
-        self.ttft = histogram("cadenza:time_to_first_token_seconds", "Time to first token.", _LATENCY)
-        self.itl = histogram("cadenza:inter_token_latency_seconds", "Time between output tokens.", _TOKEN_GAP)
-        self.e2e = histogram("cadenza:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY)
-        self.queue = histogram("cadenza:request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY)
-        self.prompt_tokens = Counter("cadenza:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
-        self.generation_tokens = Counter("cadenza:generation_tokens", "Generated tokens.", labels, registry=r)
+        r, labels, p = self.registry, ["model_name"], prefix + ":"
+        histogram = lambda name, doc, buckets: Histogram(p + name, doc, labels, buckets=buckets, registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _TOKEN_GAP)
+        self.tpot_alias = histogram("time_per_output_token_seconds", "Time between output tokens.", _TOKEN_GAP)
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "A request's mean TPOT.", _TOKEN_GAP)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduling to first token.", _LATENCY)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.", _LATENCY)
+        self.inference = histogram("request_inference_time_seconds", "First scheduling to finish.", _LATENCY)
+        self.prompt_lengths = histogram("request_prompt_tokens", "Prompt tokens per request.", _LENGTH)
+        self.generation_lengths = histogram("request_generation_tokens", "Output tokens per request.", _LENGTH)
+        self.max_generation = histogram(
+            "request_max_num_generation_tokens", "Output tokens of a request's longest sequence.", _LENGTH
+        )
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", labels, registry=r)
         self.success = Counter(
-            "cadenza:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
+            p + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
         self.engine_stats: ServingStats | None = None
         self.registry.register(_EngineCollector(self))
@@ -68,15 +85,37 @@ class RequestMetricsRecorder:
             gap = (now - self.last_token_at) / count  # a burst (speculation) spreads over its tokens
             for _ in range(count):
                 self.m.itl.labels(self.label).observe(gap)
+                self.m.tpot_alias.labels(self.label).observe(gap)
         self.last_token_at = now
         self.m.generation_tokens.labels(self.label).inc(count)
 
-    def finish(self, reason: str, prompt_tokens: int, now: float, arrival: float, queue_time: float | None) -> None:
-        self.m.e2e.labels(self.label).observe(now - arrival)
-        if queue_time is not None:
-            self.m.queue.labels(self.label).observe(queue_time)
-        self.m.prompt_tokens.labels(self.label).inc(prompt_tokens)
-        self.m.success.labels(self.label, reason).inc()
+    def finish(self, reason: str, prompt_tokens: int, times: RequestTimes, output_tokens: int = 0) -> None:
+        """times: the request's clock (arrival, queue time, first token, finish)."""
+        m, label, now = self.m, self.label, times.finished
+        m.e2e.labels(label).observe(now - times.arrival)
+        m.prompt_tokens.labels(label).inc(prompt_tokens)
+        m.success.labels(label, reason).inc()
+        m.prompt_lengths.labels(label).observe(prompt_tokens)
+        m.generation_lengths.labels(label).observe(output_tokens)
+        m.max_generation.labels(label).observe(output_tokens)
+        if times.queue_time is None:
+            return
+        m.queue.labels(label).observe(times.queue_time)
+        scheduled = times.arrival + times.queue_time
+        m.inference.labels(label).observe(max(now - scheduled, 0.0))
+        if times.first_token is not None:
+            m.prefill.labels(label).observe(max(times.first_token - scheduled, 0.0))
+            m.decode.labels(label).observe(now - times.first_token)
+            if output_tokens > 1:
+                m.request_tpot.labels(label).observe((now - times.first_token) / (output_tokens - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    arrival: float
+    queue_time: float | None  # arrival to first scheduling, as the engine measured it
+    first_token: float | None
+    finished: float
 
 
 class _EngineCollector:
@@ -89,39 +128,40 @@ class _EngineCollector:
         stats = self.m.engine_stats
         if stats is None:
             return
-        engine, kv, label = stats.engine, stats.engine.kv_cache, [self.m.model_name]
+        engine, kv, label, p = stats.engine, stats.engine.kv_cache, [self.m.model_name], self.m.prefix + ":"
         for name, doc, value in (
-            ("cadenza:num_requests_running", "Requests running in the engine.", engine.num_running),
-            ("cadenza:num_requests_waiting", "Requests waiting in the engine.", engine.num_waiting),
-            ("cadenza:kv_cache_usage_perc", "Fraction of KV blocks in use.", kv.usage),
+            (p + "num_requests_running", "Requests running in the engine.", engine.num_running),
+            (p + "num_requests_waiting", "Requests waiting in the engine.", engine.num_waiting),
+            (p + "kv_cache_usage_perc", "Fraction of KV blocks in use.", kv.usage),
+            (p + "gpu_cache_usage_perc", "Fraction of KV blocks in use (vLLM's older name).", kv.usage),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(label, value)
             yield gauge
         for name, doc, value in (
-            ("cadenza:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.queries),
-            ("cadenza:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.hits),
-            ("cadenza:num_preemptions", "Requests preempted.", engine.num_preemptions),
+            (p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.queries),
+            (p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.hits),
+            (p + "num_preemptions", "Requests preempted.", engine.num_preemptions),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
-        yield from self._spec_decode(engine.spec_decode, label)
+        yield from self._spec_decode(engine.spec_decode, label, p)
 
-    def _spec_decode(self, spec: SpecDecodeStats | None, label: list[str]) -> Iterator[Metric]:
+    def _spec_decode(self, spec: SpecDecodeStats | None, label: list[str], p: str) -> Iterator[Metric]:
         """Speculative decoding counters; absent (not zero) when the engine does not speculate."""
         if spec is None:
             return
         for name, doc, value in (
-            ("cadenza:spec_decode_num_drafts", "Verification steps that had drafts.", spec.num_drafts),
-            ("cadenza:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
-            ("cadenza:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+            (p + "spec_decode_num_drafts", "Verification steps that had drafts.", spec.num_drafts),
+            (p + "spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+            (p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
         per_pos = CounterMetricFamily(
-            "cadenza:spec_decode_num_accepted_tokens_per_pos",
+            p + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by their position in the draft (0 first).",
             labels=["model_name", "position"],
         )

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from cadenza.gateway.metrics import Metrics
+from cadenza.gateway.metrics import Metrics, RequestTimes
 from cadenza.gateway.tracing import Tracing
 from cadenza.outputs import RequestOutput
 
@@ -58,7 +58,8 @@ class Observation:
             return
         self.done = True
         now = time.time()
-        self.recorder.finish(reasons[0] if reasons else "abort", prompt_tokens, now, self.arrival, self.queue_time)
+        times = RequestTimes(self.arrival, self.queue_time, self.first_token_at, now)
+        self.recorder.finish(reasons[0] if reasons else "abort", prompt_tokens, times, self.output_tokens)
         times = (self.arrival, self.queue_time, self.first_token_at, now)
         self.span.finish(response_id, self.model, reasons, (prompt_tokens, self.output_tokens), times, text)
         if request_log.isEnabledFor(logging.INFO):
@@ -71,6 +72,7 @@ class Observation:
     def fail(self, error: BaseException) -> None:
         if not self.done:
             self.done = True
-            self.recorder.finish("error", 0, time.time(), self.arrival, self.queue_time)
+            times = RequestTimes(self.arrival, self.queue_time, self.first_token_at, time.time())
+            self.recorder.finish("error", 0, times)
             self.span.fail(error)
             request_log.info("request failed after %.3fs: %s", time.time() - self.arrival, type(error).__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 from dataclasses import dataclass
 
 from cadenza.gateway.reasoning import REASONING_PARSERS
@@ -83,6 +84,8 @@ class GatewaySettings:
         its first token) gets a `: keep-alive` comment, so a reverse proxy's read timeout does
         not cut it (0: never).
     uvicorn_log_level: uvicorn's own log level (its access log is at info), as vLLM's flag.
+    metrics_prefix: the prefix of every metric at /metrics (`cadenza:ttft...`); `vllm` gives
+        vLLM's exact names, so its published Grafana dashboard and alert rules match.
     log_level: Cadenza's own log level: at info, what the engine chose at load (weight format,
         kernels) and one line per request (cadenza.requests: id, tokens in and out, TTFT,
         finish reason).
@@ -149,6 +152,7 @@ class GatewaySettings:
     max_prompts_per_request: int = 64
     uvicorn_log_level: str = "warning"
     log_level: str = "info"
+    metrics_prefix: str = "cadenza"
     batch_priority: int = 10
     response_log_size: int = 256
     response_log_ttl_s: float = 600.0
@@ -202,6 +206,9 @@ class GatewaySettings:
             raise ValueError(f"tool_call_parser must be auto or one of {choices}, got {self.tool_call_parser!r}")
         if self.sse_keep_alive_s < 0:
             raise ValueError(f"sse_keep_alive_s must be >= 0, got {self.sse_keep_alive_s}")
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            message = f"metrics_prefix must be a Prometheus name (letters, digits, _), got {self.metrics_prefix!r}"
+            raise ValueError(message)
         if self.log_level not in UVICORN_LOG_LEVELS[:-1]:
             raise ValueError(f"log_level must be one of {', '.join(UVICORN_LOG_LEVELS[:-1])}, got {self.log_level!r}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:

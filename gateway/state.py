@@ -83,7 +83,7 @@ class GatewayState:
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_parser = parser_for(template, settings.tool_call_parser)
         self.reasoning_parser = reasoning_parser_for(template, settings.reasoning_parser)  # "": none
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, settings.metrics_prefix)
         self.tracing = tracing
         # Speculation on: streams and usage report how many drafts the model accepted.
         self.speculative = engine.speculative

@@ -20,8 +20,41 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def in_process() -> Iterator[Server]:
-    with launch_server(["--in-process", "--api-key", API_KEY, "--num-blocks", "256"], "serve_in_process.log") as srv:
+    args = ["--in-process", "--api-key", API_KEY, "--num-blocks", "256", "--metrics-prefix", "vllm"]
+    with launch_server(args, "serve_in_process.log") as srv:
         yield srv
+
+
+# Every metric vLLM's published Grafana dashboard (examples/online_serving/prometheus_grafana)
+# reads, as it reads it: with --metrics-prefix vllm the dashboard works unchanged.
+VLLM_DASHBOARD_METRICS = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+    # and the newer names beside them
+    "vllm:inter_token_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket", "vllm:kv_cache_usage_perc",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_with_the_vllm_prefix_every_dashboard_metric_is_exported(in_process: Server) -> None:
+    import urllib.request
+
+    client = openai.OpenAI(base_url=in_process.http + "/v1", api_key=API_KEY)
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8)
+    request = urllib.request.Request(in_process.http + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        text = r.read().decode()
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert set(VLLM_DASHBOARD_METRICS) - exported == set()
+    assert not any(name.startswith("cadenza:") for name in exported)
 
 
 @pytest.mark.slow
