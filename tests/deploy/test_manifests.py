@@ -3,6 +3,7 @@ and never in a config, the image not root and exposing only Serve's port."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,12 @@ def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
-def _dockerfile() -> list[tuple[str, str]]:
+IMAGES = ["Dockerfile", "Dockerfile.cpu"]
+
+
+def _dockerfile(name: str = "Dockerfile") -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments), continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    text = re.sub(r"\\\n", " ", (DEPLOY / name).read_text())
     lines = [line.strip() for line in text.splitlines()]
     return [
         (w[0].upper(), w[1] if len(w) > 1 else "")
@@ -96,8 +100,9 @@ def test_no_api_key_in_the_serve_config(name: str) -> None:
     assert "api_key" not in (app["args"].get("gateway") or {})
 
 
-def test_the_image_runs_as_a_user_and_exposes_only_the_serve_port() -> None:
-    instructions = _dockerfile()
+@pytest.mark.parametrize("image", IMAGES)
+def test_the_image_runs_as_a_user_and_exposes_only_the_serve_port(image: str) -> None:
+    instructions = _dockerfile(image)
     users = [args.split(":", 1)[0].strip() for instruction, args in instructions if instruction == "USER"]
     assert users, "no USER: the image runs as root"
     assert users[-1] not in ("root", "0"), users
@@ -125,9 +130,32 @@ def test_the_serve_app_takes_the_key_from_the_environment(monkeypatch: pytest.Mo
         GatewaySettings(**gateway_with_env_key({}))
 
 
-def test_the_image_copies_every_package_folder() -> None:
+@pytest.mark.parametrize("image", IMAGES)
+def test_the_image_copies_every_package_folder(image: str) -> None:
     """`pip install .` in the image builds from what was copied: a package folder left out
     (cli/ once) installs a `cadenza` command that cannot import its own entry point."""
     setuptools = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
-    copied = {args.split()[0] for instruction, args in _dockerfile() if instruction == "COPY"}
+    copied = {args.split()[0] for instruction, args in _dockerfile(image) if instruction == "COPY"}
     assert set(setuptools["package-dir"].values()) <= copied
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_docker_run_serves_on_the_container_interface_with_a_healthcheck(image: str) -> None:
+    """`docker run -p 8000:8000` reaches the server: it listens on the container's interface
+    (its loopback reaches nothing from outside), /health is its HEALTHCHECK, and Ray is the
+    version the KubeRay manifest names."""
+    instructions = _dockerfile(image)
+    cmd = json.loads(next(args for instruction, args in instructions if instruction == "CMD"))
+    from cadenza.cli.main import build_parser
+
+    args = build_parser().parse_args(cmd[1:])
+    assert cmd[0] == "cadenza" and (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
+    health = next(args for instruction, args in instructions if instruction == "HEALTHCHECK")
+    assert "http://127.0.0.1:8000/health" in health
+    ray_version = _manifest()["spec"]["rayClusterConfig"]["rayVersion"]
+    assert any(f'"ray[serve]=={ray_version}"' in args for instruction, args in instructions if instruction == "RUN")
+
+
+def test_the_manifest_has_no_fields_kuberay_no_longer_reads() -> None:
+    spec = _manifest()["spec"]
+    assert not {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"} & set(spec)
