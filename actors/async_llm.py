@@ -28,6 +28,7 @@ from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.messages import EngineRequest, OutputBatch, Refusal
+from cadenza.models.generation_config import sampling_defaults
 from cadenza.models.model_files import load_tokenizer, read_model
 from cadenza.models.partition import check_tp, expert_slice, stage_layers
 from cadenza.stats import ServingStats
@@ -64,6 +65,7 @@ class AsyncLLM(StreamingClient):
             expert_slice(self.model_config.num_experts, config.tensor_parallel_size, 0)
         stage_layers(self.model_config.num_layers, config.pipeline_parallel_size, 0)
         self.tokenizer = load_tokenizer(path, self.model_config)
+        self.sampling_defaults = sampling_defaults(model, config.generation_config)
         self.ray_instance = ensure_ray(config.world_size, ray_address)
         # The workers (or the local engine actor) take the GPUs, not this process: the cluster's count.
         self.config = config.placed(int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")

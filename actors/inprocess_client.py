@@ -26,6 +26,7 @@ from cadenza.actors.stream_client import StreamingClient
 from cadenza.config import DEFAULT_MODEL, EngineConfig
 from cadenza.device import visible_gpus
 from cadenza.messages import EngineOutput, EngineRequest
+from cadenza.models.generation_config import sampling_defaults
 from cadenza.stats import ServingStats
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class InProcessClient(StreamingClient):
         # the steps are awaited on the event loop, never blocking it.
         loaded, self.core = EngineCore.load_on(model_thread(), self.config, blocking=False)
         self.tokenizer = loaded.tokenizer
+        self.sampling_defaults = sampling_defaults(model, self.config.generation_config)
         self.max_model_len = self.core.max_model_len
         self.request_limits = self.core.limits
         # Made on first use on each event loop (asyncio primitives belong to one loop).

@@ -154,6 +154,11 @@ class EngineConfig:
 
     speculative_config: a SpeculativeConfig or its dict; None turns speculation off.
 
+    generation_config: where the server's sampling defaults come from, as vLLM's flag:
+    "auto" (default) the model's generation_config.json (temperature, top_p, top_k, min_p,
+    repetition_penalty, used where a request leaves them unset), "vllm" none (the API's own
+    defaults), or a folder holding a generation_config.json.
+
     async_scheduling: schedule step N + 1 before step N's outputs come back, so the scheduler,
     the output path and the engine's bookkeeping run while the model computes (the runner
     appends its own samples; actors/scheduler.py). Needs TP = PP = 1 and no speculation
@@ -209,6 +214,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    generation_config: str = "auto"
     num_cpus_per_worker: float | None = None
     num_gpus_per_worker: float | None = None
     distributed_timeout_s: float = 60.0

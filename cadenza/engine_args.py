@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 
-from cadenza.cli.vllm_compat import dtype_value, token_count
 from cadenza.config import DEFAULT_MODEL, LOGIT_LIST_LIMITS
 from cadenza.device import DEVICES
 from cadenza.format_names import (
@@ -25,6 +24,7 @@ from cadenza.request_limits import (
     DEFAULT_MAX_STOP_TOKEN_IDS,
     RequestLimits,
 )
+from cadenza.vllm_flags import dtype_value, token_count
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help=f"HF directory, .gguf file, Hub id (org/name) or packaged model name (default: {DEFAULT_MODEL})",
     )
     p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a folder holding one",
+    )
     p.add_argument("--download-dir", default=None, help="the Hub cache to read and fetch into (default: HF_HUB_CACHE)")
     p.add_argument(
         "--dtype", default="auto", type=dtype_value, choices=DTYPE_CHOICES, help="auto: bf16 where native, else fp32"
@@ -140,6 +145,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        generation_config=args.generation_config,
         enable_prefix_caching=(
             args.enable_prefix_caching if args.enable_prefix_caching is not None else not args.no_prefix_caching
         ),

@@ -155,7 +155,7 @@ class OpenAIHttp:
         # OpenAI's defaults when max_tokens is not given: the server's for chat, 16 for completions.
         default = state.settings.default_max_output_tokens if chat else 16
         max_tokens = state.max_tokens(len(prompt_ids), body.requested_max_tokens, default, (prompt, "max_tokens"))
-        params = body.sampling_params(max_tokens, body.num_logprobs, _grammar(body, tools))
+        params = body.sampling_params(max_tokens, body.num_logprobs, _grammar(body, tools), state.sampling_defaults)
         params.bad_words_token_ids = _bad_word_ids(tokenizer, body.bad_words, state.engine.request_limits)
         if tools is not None and tools.mode == "auto" and tools.parser != "hermes":
             params.skip_special_tokens = False  # [TOOL_CALLS] and <|python_tag|> are special tokens

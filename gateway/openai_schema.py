@@ -10,6 +10,7 @@ x-cadenza-ignored-fields header, and logged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -97,8 +98,9 @@ class ChatMessage(msgspec.Struct):
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    # Unset (None): the model's generation_config default where it has one, else the API's.
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -109,9 +111,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     # vLLM extras
     cache_salt: str | None = None  # mixed into the prefix-cache hashes with the tenant's key
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -158,9 +160,16 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, grammar: StructuredOutputs | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        grammar: StructuredOutputs | None = None,
+        defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
+        """defaults: the model's sampling defaults (models/generation_config.py) for the
+        fields this request leaves unset."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        chosen = resolve_sampling(self, defaults or {})
         return SamplingParams(
             structured_outputs=grammar,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -169,11 +178,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             logit_bias=self.token_bias(),
             allowed_token_ids=self.allowed_token_ids,
             n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+            **chosen,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
@@ -184,6 +189,19 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+# The API's defaults, where neither the request nor the model's generation_config sets a field.
+API_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def resolve_sampling(request: Any, defaults: Mapping[str, float]) -> dict[str, Any]:
+    """Each sampling field: the request's, else the model's default, else the API's."""
+    chosen = {}
+    for name, fallback in API_SAMPLING_DEFAULTS.items():
+        value = getattr(request, name, None)
+        chosen[name] = value if value is not None else type(fallback)(defaults.get(name, fallback))
+    return chosen
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -277,9 +295,13 @@ class CompletionRequest(_Sampling, kw_only=True):
         return 1 if self.echo_only else self.max_tokens  # echo_only: the one token is dropped
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, grammar: StructuredOutputs | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        grammar: StructuredOutputs | None = None,
+        defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs, grammar)
+        params = super().sampling_params(max_tokens, logprobs, grammar, defaults)
         if self.echo and logprobs is not None:
             params.prompt_logprobs = max(logprobs, self.prompt_logprobs or 0)
         return params

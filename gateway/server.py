@@ -14,7 +14,6 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-from cadenza.cli.vllm_compat import add_ignored_flags
 from cadenza.config import EXECUTORS
 from cadenza.engine_args import engine_kwargs
 from cadenza.engine_client import EngineClient
@@ -22,6 +21,7 @@ from cadenza.gateway.app import build_app
 from cadenza.gateway.header_timeout import head_deadline_protocol
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
+from cadenza.vllm_flags import add_ignored_flags
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5

@@ -18,7 +18,7 @@ from cadenza.gateway.admission import Admission
 from cadenza.gateway.drain import Drain
 from cadenza.gateway.grammar_budget import GrammarBudget
 from cadenza.gateway.metrics import Metrics
-from cadenza.gateway.openai_schema import ChatCompletionRequest
+from cadenza.gateway.openai_schema import ChatCompletionRequest, resolve_sampling
 from cadenza.gateway.protocol import Json, ResponseCreate, input_messages
 from cadenza.gateway.reasoning import parser_for as reasoning_parser_for
 from cadenza.gateway.request_error import RequestError
@@ -80,6 +80,8 @@ class GatewayState:
             s.response_log_max_bytes, s.response_log_max_response_bytes,
         )  # fmt: skip
         self.tokenizer = engine.get_tokenizer()
+        # The model's generation_config sampling defaults (an engine double may have none).
+        self.sampling_defaults: dict[str, float] = dict(getattr(engine, "sampling_defaults", None) or {})
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_parser = parser_for(template, settings.tool_call_parser)
         self.reasoning_parser = reasoning_parser_for(template, settings.reasoning_parser)  # "": none
@@ -202,10 +204,14 @@ class GatewayState:
         names = ("input", "max_output_tokens")
         max_tokens = self.max_tokens(prompt_len, create.max_output_tokens, default, names, names)
         try:
+            chosen = resolve_sampling(create, self.sampling_defaults)
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if create.temperature is None else create.temperature,
-                top_p=1.0 if create.top_p is None else create.top_p,
+                temperature=chosen["temperature"],
+                top_p=chosen["top_p"],
+                top_k=chosen["top_k"],
+                min_p=chosen["min_p"],
+                repetition_penalty=chosen["repetition_penalty"],
                 logprobs=create.top_logprobs,
                 structured_outputs=grammar,
             )

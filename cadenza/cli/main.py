@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from cadenza.cli.vllm_compat import take_positional_model, warn_ignored
 from cadenza.config import DEFAULT_MODEL
 from cadenza.engine_args import add_engine_args, apply_hub_flags, engine_kwargs
 from cadenza.version import package_version
+from cadenza.vllm_flags import take_positional_model, warn_ignored
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
