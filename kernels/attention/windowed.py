@@ -91,7 +91,7 @@ def windowed_long_requests(
     for i in requests:
         start, end, seq_len = meta.query_start_loc[i], meta.query_start_loc[i + 1], meta.seq_lens[i]
         q_len = end - start
-        first = int(_first_keys(torch.tensor(seq_len), q_len, window))
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)  # the earliest key seen
         table = meta.block_tables[i]
         k = _gather(k_cache, table, first, seq_len).to(q.dtype).permute(1, 0, 2)[:, None]  # [K, 1, L, D]
         v = _gather(v_cache, table, first, seq_len).to(q.dtype).permute(1, 0, 2)[:, None]
