@@ -1,14 +1,24 @@
-"""Engine configuration: one frozen dataclass validated where it is made."""
+"""Engine configuration: one frozen dataclass validated where it is made. Each field carries its
+group and one-line doc (cadenza/setting.py): the CLI flags and docs/settings.md's tables are
+made from them."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cadenza.device import check_device_name, resolve_device
-from cadenza.format_names import DEFAULT_INT4_GROUP_SIZE, KV_CACHE_DTYPES, check_format
+from cadenza.format_names import (
+    CPU_GEMM_DTYPES,
+    DEFAULT_INT4_GROUP_SIZE,
+    DTYPE_CHOICES,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    check_format,
+)
 from cadenza.request_limits import (
     DEFAULT_MAX_ALLOWED_TOKEN_IDS,
     DEFAULT_MAX_BAD_WORD_TOKENS,
@@ -20,6 +30,9 @@ from cadenza.request_limits import (
     DEFAULT_MAX_STOP_TOKEN_IDS,
     RequestLimits,
 )
+from cadenza.setting import json_value, setting
+from cadenza.speculative_config import SpeculativeConfig
+from cadenza.vllm_flags import dtype_value, token_count
 
 if TYPE_CHECKING:
     from cadenza.weight_format import WeightFormat
@@ -34,210 +47,237 @@ LOGIT_LIST_LIMITS = ("max_logit_bias", "max_allowed_token_ids", "max_bad_words",
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
 
 
-_SPEC_METHODS = ("ngram", "draft_model")
 EXECUTORS = ("auto", "local", "ray")
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
-    """Speculative decoding, shaped like vLLM's `speculative_config` dict.
-
-    method: "ngram" (prompt lookup: the tokens that followed the last match of the context's
-    final n-gram, n from prompt_lookup_max down to prompt_lookup_min) or "draft_model" (`model`,
-    any model Cadenza loads that shares the target's vocabulary; draft_num_layers keeps only
-    its first layers, a cheaper self-speculative draft). num_speculative_tokens: k drafts per
-    step (a request may ask for fewer with SamplingParams.num_speculative_tokens).
-    disable_by_batch_size: no drafts while this many requests or more are running, where
-    verifying k extra tokens for each stops paying (None: always speculate).
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    model: str | None = None
-    draft_num_layers: int | None = None
-    disable_by_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in _SPEC_METHODS:
-            raise ValueError(f"speculative method must be one of {_SPEC_METHODS}, got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('speculative method "draft_model" needs "model": the draft model path or name')
-        if self.draft_num_layers is not None and self.draft_num_layers < 1:
-            raise ValueError(f"draft_num_layers must be at least 1, got {self.draft_num_layers}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
-
-    @classmethod
-    def parse(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
-        """From the user's dict (as in vLLM), with a clear error for an unknown key."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
-            )
-        return cls(**value)
+__all__ = ["DEFAULT_MODEL", "EXECUTORS", "EngineConfig", "SpeculativeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Knobs of one engine. Names follow vLLM's engine arguments.
+    """Knobs of one engine (`LLM(..., name=value)`, `AsyncLLM`, and every command's `--name`).
+    Names follow vLLM's engine arguments; the groups are vLLM's (model, cache, scheduler,
+    parallel, speculative, device) plus the request limits. Each field's doc is its line in
+    docs/settings.md and its --help text."""
 
-    dtype: "auto" (bf16 on CUDA and on CPUs with native bf16 dot products, else fp32),
-    "float32", "bfloat16" or "float16". quantization: None (a GGUF keeps its stored types),
-    "none" (dense in dtype), "gguf", "int8" or "int4" (weight-only, on load);
-    quantization_group_size: int4's group (32, 64 or 128). int8_activations: on the CPU the
-    q4 / q8 kernels (int8, int4, GGUF Q8_0 / Q4_0 / Q4_1) multiply x rounded to int8 per
-    block of 32, as llama.cpp does: faster decode, a little perplexity, and greedy tokens that
-    may vary with batch composition and prefix-cache hits (off: weight-only, exact). See
-    cadenza.weight_format.
-
-    device: "auto" (default: CUDA when the engine can use a GPU, else the CPU), "cuda",
-    "cuda:N" or "cpu" (cadenza.device); clients resolve it with placed() before building
-    anything, so "cuda" without a GPU is a clear error.
-
-    kv_cache_dtype: the KV cache's element type. "auto" (default): the activations' (fp32 on
-    the CPU, the model's dtype on CUDA), except float16 on a CPU where cpu_gemm_dtype resolves
-    to bf16 (prefill already rounds activations to bf16 there); "float16" on the CPU halves
-    what a long context's decode reads (its C kernels widen each key tile to fp32 as they
-    load it) and the pool's bytes, for an fp16 rounding of K and V ("bfloat16" there runs the
-    torch reference). On CUDA the Triton kernels take the activations' dtype only.
-
-    cpu_gemm_dtype: the CPU's many-row GEMMs (prefill chunks, batches past 16 rows) over
-    weights in a stored format (GGUF, int8 / int4, bf16 / fp16). "auto" (default): bfloat16
-    where dtype resolved to bf16 on a CPU with native bf16 dot products (~2.8x fp32's GEMM
-    rate there; x and the weight tiles rounded to bf16, results back in fp32), else float32;
-    "float32" keeps them exact; "bfloat16" forces bf16 (slow where the CPU emulates it).
-    bf16 also runs prefill attention's QK^T and PV on bf16 inputs (fp32 sums and softmax)
-    where the CPU has AVX512-BF16. Decode's few-row kernels and decode attention stay fp32,
-    so a prompt's KV and a decode's differ by bf16 rounding, and greedy tokens may change
-    with batch size and prefix-cache hits.
-
-    block_size: tokens per KV block. num_blocks: the KV pool's size in blocks, when given.
-    Else the pool holds what max_num_seqs requests of max_model_len tokens can use at once
-    (each rounded up to whole blocks), capped by kv_cache_memory, the bytes of the whole
-    model's KV (all layers and heads, however many workers share it), and at least one block.
-    On the CPU the pool is reserved, not resident: its pages are committed as blocks are
-    first written, and the block pool reuses written blocks before untouched ones, so a
-    light load keeps a small resident KV however large the pool. On CUDA the pool is instead
-    what gpu_memory_utilization (default 0.9) of the device leaves after the weights and a
-    profiling forward at the largest step (actors/memory_profile.py); num_blocks overrides it
-    there too. max_num_seqs: requests running at once. enforce_eager: no CUDA graphs (by
-    default decode steps replay graphs on CUDA; actors/cuda_graphs.py).
-    max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-    max_model_len: longest prompt + output; defaults to the model's context length.
-
-    Actor runtime (AsyncLLM): tensor_parallel_size / pipeline_parallel_size shard the model
-    over tp * pp worker actors. enable_expert_parallel: a mixture-of-experts model's experts are
-    shared out whole over the TP ranks (expert parallelism of size tensor_parallel_size, as
-    vLLM's --enable-expert-parallel without data parallelism) instead of every expert being
-    split; attention stays tensor-parallel. num_cpus_per_worker: Ray CPUs (and torch threads) per worker,
-    default the machine's cores shared evenly; num_gpus_per_worker: default 1 on CUDA, 0 on
-    CPU. distributed_timeout_s bounds every collective, so a dead peer is an error, not a hang.
-    executor: where the model runs under AsyncLLM. "local": in the engine actor's own process
-    (TP = PP = 1; a step is a call on its step thread, not an actor call); "ray": in worker
-    actors (any TP / PP; a crashed worker is rebuilt while the engine lives on); "auto"
-    (default): local when tp * pp == 1, else ray. max_engine_restarts: how many times
-    AsyncLLM replaces an engine actor that died (under "local" a crash in the model takes the
-    engine with it); its requests in flight fail, later ones are served. 0: a dead engine
-    stays dead (EngineDeadError).
-    use_compiled_graph: drive the workers through a Ray Compiled Graph (else actor calls);
-    default on for CUDA, off on the CPU, where its polling channels take a core from the
-    model (measured: +60% step time at batch 32 on 2 cores, vs +1% for actor calls).
-
-    speculative_config: a SpeculativeConfig or its dict; None turns speculation off.
-
-    generation_config: where the server's sampling defaults come from, as vLLM's flag:
-    "auto" (default) the model's generation_config.json (temperature, top_p, top_k, min_p,
-    repetition_penalty, used where a request leaves them unset), "vllm" none (the API's own
-    defaults), or a folder holding a generation_config.json.
-
-    async_scheduling: schedule step N + 1 before step N's outputs come back, so the scheduler,
-    the output path and the engine's bookkeeping run while the model computes (the runner
-    appends its own samples; actors/scheduler.py). Needs TP = PP = 1 and no speculation
-    (drafts come from the outputs). None (default): on for CUDA, off on the CPU, where the
-    engine's work and the model's share the same cores (docs/bench/async_scheduling.json);
-    True where it cannot apply is an error.
-
-    scheduling_policy: "priority" (default) admits (and preempts) by (priority, arrival),
-    lower first, as vLLM does; with every request at priority 0 that is arrival order, so an
-    interactive request (0) goes before batch work a client marks with a higher number;
-    "fcfs" ignores priorities. session_pin_ttl_s: a conversation's prefix blocks (requests
-    with a session_id) stay pinned this long after its last turn, so other work cannot
-    evict them (0: off); max_pinned_fraction: the most of the pool all pins hold together.
-    Request limits, checked before any work (cadenza.request_limits): max_logprobs caps
-    logprobs and prompt_logprobs (-1: up to the vocabulary); max_stop_strings / max_stop_string_chars /
-    max_stop_token_ids bound the stop conditions; max_logit_bias (OpenAI's 300),
-    max_allowed_token_ids, max_bad_words (strings) and max_bad_word_tokens (each, tokenized)
-    bound the lists that edit the logits. request_timeout_s: a request still
-    unfinished this long after it arrived ends with an error saying so (None: no deadline).
-    priority_aging_s: under the priority policy a waiting request's priority improves by one
-    level per this many seconds waited (actors/request.py: aged_rank), so a steady stream of
-    urgent work cannot starve the rest: batch work at 10 goes ahead of interactive requests
-    (0) arriving more than 10 x this after it. 0: strict priority (low can wait forever).
-    max_pinned_sessions / max_pinned_sessions_per_tenant: the most sessions pinned at once, in
-    all and per tenant (its cache_salt; the gateway's is the API key and the client's
-    cache_salt); past either the least recently pinned session (of that tenant) gives way.
-    Sessions are keyed by tenant, so one tenant never replaces another's pin.
-    grammar_mask_timeout_s: the most a step waits, after its forward pass, for the grammar masks
-    its structured-output requests need (a first mask includes compiling a grammar the engine
-    has not seen); a request whose mask is not ready by then fails alone ("the grammar's mask
-    took longer than ..."), the step samples the others. None: wait as long as they take.
-    """
-
-    model: str
-    dtype: str = "auto"
-    quantization: str | None = None
-    quantization_group_size: int = DEFAULT_INT4_GROUP_SIZE
-    int8_activations: bool = False
-    device: str = "auto"
-    kv_cache_dtype: str = "auto"
-    cpu_gemm_dtype: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "priority"
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    generation_config: str = "auto"
-    num_cpus_per_worker: float | None = None
-    num_gpus_per_worker: float | None = None
-    distributed_timeout_s: float = 60.0
-    executor: str = "auto"
-    max_engine_restarts: int = 3
-    use_compiled_graph: bool | None = None
-    speculative_config: SpeculativeConfig | None = None
-    async_scheduling: bool | None = None
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
-    max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
-    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
-    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
-    max_allowed_token_ids: int = DEFAULT_MAX_ALLOWED_TOKEN_IDS
-    max_bad_words: int = DEFAULT_MAX_BAD_WORDS
-    max_bad_word_tokens: int = DEFAULT_MAX_BAD_WORD_TOKENS
-    request_timeout_s: float | None = None
-    session_pin_ttl_s: float = 300.0
-    max_pinned_fraction: float = 0.25
-    priority_aging_s: float = 1.0
-    max_pinned_sessions: int = 8192
-    max_pinned_sessions_per_tenant: int = 1024
-    grammar_mask_timeout_s: float | None = 1.0
+    # model
+    model: str = setting(
+        DEFAULT_MODEL, "model", "HF directory, .gguf file, Hub id (org/name) or packaged model name", flag=False
+    )
+    dtype: str = setting(
+        "auto",
+        "model",
+        "`auto`: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, else fp32 (`CADENZA_CPU_AUTO_DTYPE` overrides the "
+        "CPU detection); `float32`, `bfloat16`, `float16` (vLLM's `half`, `float` too). On the CPU how dense weights "
+        "are stored (activations and KV stay fp32); on CUDA also the compute dtype. See [formats](formats.md)",
+        parse=dtype_value,
+        choices=DTYPE_CHOICES,
+    )
+    quantization: str | None = setting(
+        None,
+        "model",
+        "unset: a GGUF keeps its stored types, other checkpoints load dense; `none`: dense in `dtype`; `gguf`; "
+        "`int8` / `int4`: weight-only, quantized on load",
+        choices=QUANTIZATIONS,
+        default_text="unset",
+    )
+    quantization_group_size: int = setting(
+        DEFAULT_INT4_GROUP_SIZE, "model", "int4's group along the input features", choices=INT4_GROUP_SIZES
+    )
+    int8_activations: bool = setting(
+        False,
+        "model",
+        "CPU: the q4 / q8 kernels multiply x rounded to int8 per block of 32, as llama.cpp does (faster decode, a "
+        "little perplexity; greedy tokens may vary with batch composition and prefix-cache hits)",
+    )
+    cpu_gemm_dtype: str = setting(
+        "auto",
+        "model",
+        "CPU: the dtype of the many-row GEMMs (prefill chunks, batches past 16 rows) over weights in a stored "
+        "format. `auto`: `bfloat16` where `dtype` resolves to bf16 on a CPU with AVX512-BF16 or AMX (x and the "
+        "weight tiles rounded to bf16, sums in fp32; also prefill attention's QK^T and PV), else `float32`, exact. "
+        "Decode's few-row kernels and decode attention stay fp32",
+        choices=CPU_GEMM_DTYPES,
+    )
+    max_model_len: int | None = setting(
+        None,
+        "model",
+        "longest prompt + output (`2048`, `32k` = 32,000, `32K` = 32,768); longer requests are refused with a message",
+        parse=token_count,
+        default_text="the model's context",
+    )
+    generation_config: str = setting(
+        "auto",
+        "model",
+        "the sampling defaults for fields a request leaves unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty): `auto` the model's `generation_config.json` (a GGUF has none), `vllm` the API's own "
+        "defaults only, or a folder holding a `generation_config.json`",
+    )
+    seed: int = setting(0, "model", "the seed of unseeded sampling")
+    # cache
+    kv_cache_dtype: str = setting(
+        "auto",
+        "cache",
+        "the KV cache's elements. `auto`: the activations' dtype (fp32 on the CPU, exact), except fp16 where "
+        "`cpu_gemm_dtype` resolves to bf16; `float16` on the CPU halves the pool's bytes and what a long context's "
+        "decode reads (SmolLM2 at 6144 tokens: decode 1.20x faster) for K and V rounded to fp16; `bfloat16` there "
+        "runs the torch reference. On CUDA only the activations' dtype",
+        choices=KV_CACHE_DTYPES,
+    )
+    block_size: int = setting(16, "cache", "tokens per KV block (a power of two)")
+    num_blocks: int | None = setting(
+        None,
+        "cache",
+        "the KV pool's size in blocks; overrides kv_cache_memory and gpu_memory_utilization",
+        default_text="derived",
+    )
+    kv_cache_memory: int = setting(
+        DEFAULT_KV_CACHE_MEMORY,
+        "cache",
+        "cap on the KV pool in bytes (all layers and heads). The pool holds `max_num_seqs` x `max_model_len` tokens "
+        "(whole blocks per sequence) or what this cap holds, whichever is less. On the CPU its pages are taken "
+        "from the OS only as blocks are first written, and used blocks are handed out again first, so resident "
+        "memory follows the load, not the cap",
+        default_text="2 GiB",
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "cache",
+        "CUDA: the device's share for weights, a step's activations and the KV pool, which gets what the rest leave "
+        "after a profiled step (`kv_cache_memory` is then unused)",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "cache",
+        "reuse the KV blocks of identical prefixes (`--no-enable-prefix-caching`, or `--no-prefix-caching`, turns "
+        "it off)",
+    )
+    session_pin_ttl_s: float = setting(
+        300.0,
+        "cache",
+        "a conversation's cached prefix blocks (requests with a `session_id`: the Responses API's "
+        "`previous_response_id` chain, or `prompt_cache_key`) stay pinned this long after its last turn, so other "
+        "work cannot evict them (0: off)",
+    )
+    max_pinned_fraction: float = setting(
+        0.25, "cache", "the most of the KV pool all pins hold together (the least recently pinned gives way)"
+    )
+    max_pinned_sessions: int = setting(8192, "cache", "the most sessions pinned at once")
+    max_pinned_sessions_per_tenant: int = setting(
+        1024,
+        "cache",
+        "the most sessions pinned at once per tenant (its cache salt: the API key and the client's `cache_salt`); "
+        "past it the tenant's least recently pinned gives way, never another tenant's",
+    )
+    # scheduler
+    max_num_seqs: int = setting(128, "scheduler", "requests running at once (also the top of the CUDA-graph ladder)")
+    max_num_batched_tokens: int = setting(2048, "scheduler", "token budget of one step (prefill chunks + decodes)")
+    scheduling_policy: str = setting(
+        "priority",
+        "scheduler",
+        "`priority`: admission and preemption by (priority, arrival), lower first, as vLLM's; with every request "
+        "at 0 that is arrival order; `fcfs`: priorities ignored",
+        choices=("fcfs", "priority"),
+    )
+    priority_aging_s: float = setting(
+        1.0,
+        "scheduler",
+        "a waiting request's priority improves one level per this many seconds waited, so urgent work cannot "
+        "starve the rest (0: strict priority)",
+    )
+    async_scheduling: bool | None = setting(
+        None,
+        "scheduler",
+        "schedule step N + 1 before step N's outputs are back (the runner appends its own samples); needs TP = PP "
+        "= 1 and no speculation. Off by default on the CPU, where the engine and the model share the cores "
+        "(docs/bench/async_scheduling.json)",
+        default_text="CUDA only",
+    )
+    request_timeout_s: float | None = setting(
+        None, "scheduler", "a request unfinished this long after arrival ends with an error naming the setting"
+    )
+    grammar_mask_timeout_s: float | None = setting(
+        1.0,
+        "scheduler",
+        "the most a step waits after its forward pass for its structured-output requests' grammar masks; a request "
+        "whose mask is late fails alone, the step samples the others",
+    )
+    # parallel
+    tensor_parallel_size: int = setting(
+        1,
+        "parallel",
+        "`AsyncLLM`: ranks per pipeline stage (heads split at KV-group boundaries; KV heads replicated when ranks "
+        "outnumber them)",
+        aliases=("-tp",),
+    )
+    pipeline_parallel_size: int = setting(1, "parallel", "`AsyncLLM`: stages, layers split evenly", aliases=("-pp",))
+    enable_expert_parallel: bool = setting(
+        False,
+        "parallel",
+        "`AsyncLLM`: a mixture-of-experts model's experts shared out whole over the TP ranks (expert parallelism of "
+        "`tensor_parallel_size`, as vLLM's flag without data parallelism) instead of each expert split",
+    )
+    executor: str = setting(
+        "auto",
+        "parallel",
+        "`AsyncLLM`: `local` runs the model in the engine actor's own process (TP = PP = 1); `ray` in worker "
+        "actors (a crashed worker is rebuilt); `auto`: `local` when TP = PP = 1",
+        choices=EXECUTORS,
+    )
+    num_cpus_per_worker: float | None = setting(
+        None, "parallel", "Ray CPUs and torch threads per worker", default_text="cores / workers"
+    )
+    num_gpus_per_worker: float | None = setting(
+        None, "parallel", "Ray GPUs per worker", default_text="1 on CUDA, 0 on the CPU"
+    )
+    distributed_timeout_s: float = setting(
+        60.0, "parallel", "bound on every torch.distributed collective (a dead peer becomes an error)"
+    )
+    max_engine_restarts: int = setting(
+        3,
+        "parallel",
+        "`AsyncLLM` replaces a dead engine actor this many times; its requests in flight fail with the reason "
+        "(0: a dead engine stays dead)",
+    )
+    use_compiled_graph: bool | None = setting(
+        None,
+        "parallel",
+        "drive the workers through a Ray Compiled Graph instead of actor calls (on the CPU its polling takes a core "
+        "from the model)",
+        default_text="CUDA only",
+    )
+    # speculative
+    speculative_config: SpeculativeConfig | None = setting(
+        None,
+        "speculative",
+        "speculative decoding as vLLM's dict (JSON on the command line): `method` `ngram` or `draft_model`, "
+        "`num_speculative_tokens`, ... (see [speculative decoding](speculative.md))",
+        parse=json_value,
+        default_text="off",
+    )
+    # device
+    device: str = setting(
+        "auto",
+        "device",
+        "`auto`: CUDA when the engine can use a GPU, else the CPU; `cuda`, `cuda:N`, `cpu`. `cuda` where there is "
+        "none is an error saying so (see [GPUs](gpus.md))",
+    )
+    enforce_eager: bool = setting(False, "device", "CUDA: no CUDA graphs for decode steps")
+    # limits: past them a request is refused before any work (cadenza.request_limits)
+    max_logprobs: int = setting(
+        DEFAULT_MAX_LOGPROBS,
+        "request limits",
+        "cap on `logprobs` and `prompt_logprobs` (vLLM's name and default; -1: none)",
+    )
+    max_stop_strings: int = setting(DEFAULT_MAX_STOP_STRINGS, "request limits", "stop strings per request")
+    max_stop_string_chars: int = setting(
+        DEFAULT_MAX_STOP_STRING_CHARS, "request limits", "characters in one stop string"
+    )
+    max_stop_token_ids: int = setting(DEFAULT_MAX_STOP_TOKEN_IDS, "request limits", "stop token ids per request")
+    max_logit_bias: int = setting(DEFAULT_MAX_LOGIT_BIAS, "request limits", "entries in `logit_bias` (OpenAI's 300)")
+    max_allowed_token_ids: int = setting(
+        DEFAULT_MAX_ALLOWED_TOKEN_IDS, "request limits", "entries in `allowed_token_ids`"
+    )
+    max_bad_words: int = setting(DEFAULT_MAX_BAD_WORDS, "request limits", "strings in `bad_words`")
+    max_bad_word_tokens: int = setting(DEFAULT_MAX_BAD_WORD_TOKENS, "request limits", "tokens in one bad word")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -14,13 +13,13 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-from cadenza.config import EXECUTORS
 from cadenza.engine_args import engine_kwargs
 from cadenza.engine_client import EngineClient
 from cadenza.gateway.app import build_app
 from cadenza.gateway.header_timeout import head_deadline_protocol
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
+from cadenza.setting import add_flags, values_from_args
 from cadenza.vllm_flags import add_ignored_flags
 
 log = logging.getLogger(__name__)
@@ -30,23 +29,8 @@ SHUTDOWN_GRACE_S = 5
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
     p.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM takes it (the same as --model)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0, help="the engine's seed for unseeded sampling")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) in place of the model's")
     add_ignored_flags(p)
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="share a mixture-of-experts model's experts out whole over the TP ranks",
-    )
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument(
-        "--executor",
-        default="auto",
-        choices=EXECUTORS,
-        help="local: the model in the engine actor's process (TP = PP = 1); ray: worker actors; auto: local if it can",
-    )
     p.add_argument(
         "--in-process",
         action="store_true",
@@ -58,34 +42,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the Ray cluster to join (GCS host:port, auto, ray://host:port; default $RAY_ADDRESS); "
         "none named: a private instance on loopback",
     )
-    defaults = GatewaySettings()
-    for f in dataclasses.fields(GatewaySettings):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if f.name == "allowed_origins":
-            p.add_argument(flag, nargs="*", default=[], help="Origins allowed (default: our own)")
-        elif f.name == "allowed_hosts":  # type=tuple would split one name into its letters
-            p.add_argument(flag, nargs="*", default=[], help="Host names served (default: loopback + --host)")
-        elif f.name == "forwarded_allow_ips":
-            text = "proxy addresses whose X-Forwarded-For is trusted (default: none)"
-            p.add_argument(flag, nargs="*", default=[], help=text)
-        elif f.name == "api_key":  # from the environment too, so the key stays out of `ps`
-            text = "require `Authorization: Bearer <key>` (default: $CADENZA_API_KEY)"
-            p.add_argument(flag, default=os.environ.get("CADENZA_API_KEY") or None, help=text)
-        elif f.name == "priority_api_keys":
-            p.add_argument(flag, nargs="*", default=[], help="keys that may ask for priority below 0 (interactive)")
-        elif isinstance(default, bool):  # type=bool would read "--flag False" as True
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            p.add_argument(flag, type=type(default), default=default)
+    add_flags(p, GatewaySettings)
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GatewaySettings)}
-    values["allowed_origins"] = tuple(values["allowed_origins"])
-    values["allowed_hosts"] = tuple(values["allowed_hosts"])
-    values["forwarded_allow_ips"] = tuple(values["forwarded_allow_ips"])
-    return GatewaySettings(**values)
+    return GatewaySettings(**values_from_args(args, GatewaySettings))
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -116,20 +77,14 @@ def _template_text(given: str) -> str:
 def _engine_client(args: argparse.Namespace) -> EngineClient:
     """The engine behind the gateway: actors (AsyncLLM) unless --in-process; imported late, so a
     bad flag is reported before Ray or torch loads."""
-    kwargs = engine_kwargs(args) | dict(
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        seed=args.seed,
-        num_blocks=args.num_blocks,
-    )
+    kwargs = engine_kwargs(args)
     if args.in_process:
         from cadenza.actors.inprocess_client import InProcessClient
 
         return InProcessClient(args.model, **kwargs)
     from cadenza.actors.async_llm import AsyncLLM
 
-    llm = AsyncLLM(args.model, executor=args.executor, ray_address=args.ray_address, **kwargs)
+    llm = AsyncLLM(args.model, ray_address=args.ray_address, **kwargs)
     print(f"cadenza: engine on {llm.ray_instance}", flush=True)
     return llm
 

@@ -9,164 +9,186 @@ from dataclasses import dataclass
 from cadenza.gateway.reasoning import REASONING_PARSERS
 from cadenza.gateway.scheduling import MAX_PRIORITY, MIN_PRIORITY
 from cadenza.gateway.tool_calls import PARSERS
+from cadenza.setting import setting
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    """Knobs of `cadenza serve` (each is also a `--flag`, dashes for underscores).
+    """Knobs of `cadenza serve` (each is also a `--flag`, dashes for underscores). Each field's
+    doc is its line in docs/settings.md and its --help text (cadenza/setting.py)."""
 
-    host/port: where to listen; loopback unless the operator asks for more.
-    api_key: if set, clients must send `Authorization: Bearer <key>` on the handshake
-        (browsers, which cannot set headers on a websocket, may offer the subprotocol
-        `openai-insecure-api-key.<key>` instead, as OpenAI's Realtime API accepts).
-    allowed_origins: Origin values accepted on websocket handshakes; empty means only the
-        server's own origin. Clients that send no Origin (SDKs, curl) are not browsers and pass.
-    max_frame_bytes: largest client message we read, in bytes (UTF-8); bigger ones get an
-        `error` event. Frames over 4x this are cut off by the websocket layer itself (close
-        code 1009). Binary frames are answered with an `error` event, never parsed.
-    max_request_bytes: largest HTTP request body, counted while it is read (413 past it).
-    max_json_depth: deepest nesting of arrays/objects in a body or frame (400 / `error`).
-    max_messages: messages in one chat request or response input (400 / `error`).
-    max_stream_id_chars: longest websocket lane name (`stream_id`).
-    max_lanes_per_socket: distinct lanes (`stream_id`s) one socket may have open at once.
-    max_concurrent_requests / max_queued_requests: responses running in the engine, and
-        waiting beyond those; once both are full a new response is refused at once with
-        an `error` event (code `server_overloaded`, `retry_after_ms`).
-    max_responses_per_socket: responses in flight (running or queued in lanes) per socket.
-    max_sockets_per_client: open websockets per client (its peer address; see
-        Admission.client).
-    max_responses_per_client: responses in flight per client (as above), HTTP and websocket
-        together; capped at one below max_concurrent_requests + max_queued_requests, so one
-        client cannot take the whole server.
-    allowed_hosts: `Host` header values accepted (HTTP and websocket, port optional); empty
-        means the loopback names and the bound address (a DNS-rebinding guard).
-    forwarded_allow_ips: proxies whose `X-Forwarded-For` / `X-Forwarded-Proto` name the
-        client (uvicorn's setting of the same name; `*` trusts any peer). Empty, the default:
-        those headers are ignored, since any loopback process could otherwise claim to be any
-        number of clients and every per-client quota would stop binding.
-    send_timeout_s: a send to a client that cannot complete in this time cancels that
-        response and frees its place (a stalled reader holds nothing for long): a websocket
-        is ended, an HTTP stream (SSE, a follower included) is cut and its connection dropped.
-    idle_timeout_s: an HTTP keep-alive connection with no request for this long is closed.
-    header_timeout_s: a connection that has not sent its whole request head in this time is
-        closed (slow-header clients).
-    max_connections: open connections the server accepts (uvicorn's limit_concurrency;
-        past it new connections get 503).
-    drain_timeout_s: on SIGTERM, how long in-flight responses may run before they are ended.
-    response_store_size / response_store_ttl_s: finished responses kept for
-        `previous_response_id` (least recently used dropped first, and after the TTL).
-    default_max_output_tokens: when a request does not say (bounded by the context).
-    stream_pacing: with speculative decoding a step can bring several tokens at once; pacing
-        streams them one per event, spread over the request's recent step interval, so
-        readers see a steady cadence rather than bursts (never later than the next step's
-        tokens arrive; whole, non-streamed HTTP answers are never paced).
-    response_log_size / response_log_ttl_s / response_log_max_events: the events of recent
-        responses, kept so `GET /v1/responses/{id}?stream=true&starting_after=N` can resume a
-        dropped stream: at most this many responses (the oldest finished first), each for
-        this long after it ends, each keeping at most this many events (one per token, about;
-        a longer response streams on but cannot be replayed).
-    batch_priority: the priority of requests marked `service_tier: "flex"` (batch work);
-        interactive ones run at 0, and lower runs first.
-    tool_call_parser: how tool calls are read from a reply under tool_choice auto (hermes,
-        llama3, mistral; auto recognises the model's format from its chat template, and takes
-        hermes for a template that knows no tools, which the prompt then teaches).
-    reasoning_parser: how a reasoning model's thinking is read apart from its answer (vLLM's
-        flag): `qwen3` (a reply that opens with <think>) or `deepseek_r1` (a reply that starts
-        inside its thinking), given as `reasoning_content` beside `content`, and counted as
-        usage.completion_tokens_details.reasoning_tokens (a `reasoning` output item and
-        output_tokens_details.reasoning_tokens on the Responses API). `auto`, the default:
-        recognised from the chat template (gateway/reasoning.parser_for); `none`: all content.
-    max_prompts_per_request: most prompts one /v1/completions request may batch (each takes its
-        own admission place, as that many requests would).
-    sse_keep_alive_s: an SSE stream that has sent nothing for this long (a long prefill before
-        its first token) gets a `: keep-alive` comment, so a reverse proxy's read timeout does
-        not cut it (0: never).
-    uvicorn_log_level: uvicorn's own log level (its access log is at info), as vLLM's flag.
-    metrics_prefix: the prefix of every metric at /metrics (`cadenza:ttft...`); `vllm` gives
-        vLLM's exact names, so its published Grafana dashboard and alert rules match.
-    log_level: Cadenza's own log level: at info, what the engine chose at load (weight format,
-        kernels) and one line per request (cadenza.requests: id, tokens in and out, TTFT,
-        finish reason).
-    priority_api_keys: API keys whose requests may ask for a priority below the interactive 0
-        (body `priority` or `x-priority`; gateway/scheduling.py); each is also accepted
-        wherever api_key is. Empty, the default: no request may jump ahead of interactive
-        work. Without api_key the server is open, and these keys only grant priority.
-    max_prompt_cache_key_chars: longest `prompt_cache_key` (the session the engine pins),
-        400 past it.
-    response_log_max_bytes / response_log_max_response_bytes: the response log's events, as
-        encoded JSON (what it keeps), in all and per response. Past the total the oldest
-        finished responses go first; a response past its own bound, or that finds only
-        running ones to evict, streams on but keeps no more events (a resume past that
-        point is a 410), as past response_log_max_events.
-    response_store_max_bytes: the stored conversations, as encoded JSON, least recently
-        used dropped first (each stored response keeps only its own turn: its input and
-        its reply; a continuation joins the turns of its chain).
-    max_streams_per_client: HTTP event streams (SSE) open at once per client: streamed chat
-        and completions, streamed `POST /v1/responses`, and `GET /v1/responses/{id}?stream=true`
-        followers, which hold a connection but no response place; past it a 429
-        (`too_many_client_streams`). Each stream's sends are bounded by send_timeout_s.
-    max_grammar_bytes: the largest grammar a request may bring (response_format, text.format,
-        structured_outputs, guided_*, or the one tool_choice required / a named function
-        makes), in bytes of its compiled form (llguidance's serialised grammar: the schema with
-        its options, the regex, the Lark text); past it a 400 (`grammar_too_large`).
-    grammar_compile_timeout_s: how long a new grammar may take to compile, after admission, in
-        a worker thread (never on the event loop); past it a 400 (`grammar_too_complex`), and
-        the same grammar is refused at once from then on. Verdicts are cached by the grammar's
-        content hash, so a repeated grammar is compiled once.
-    max_grammar_requests / max_grammar_requests_per_client: sequences following a grammar in
-        flight (a request with n choices counts n), server-wide and per client: each costs the
-        engine's one mask thread every step. Past either a 429 (`too_many_grammar_requests`).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    allowed_origins: tuple[str, ...] = ()
-    max_frame_bytes: int = 1 << 20
-    max_request_bytes: int = 1 << 20
-    max_json_depth: int = 32
-    max_messages: int = 512
-    max_stream_id_chars: int = 128
-    max_lanes_per_socket: int = 16
-    max_concurrent_requests: int = 128
-    max_queued_requests: int = 256
-    max_responses_per_socket: int = 64
-    max_sockets_per_client: int = 64
-    max_responses_per_client: int = 64
-    allowed_hosts: tuple[str, ...] = ()
-    forwarded_allow_ips: tuple[str, ...] = ()
-    send_timeout_s: float = 30.0
-    idle_timeout_s: float = 5.0
-    header_timeout_s: float = 10.0
-    max_connections: int = 1024
-    drain_timeout_s: float = 30.0
-    response_store_size: int = 1024
-    response_store_ttl_s: float = 3600.0
-    default_max_output_tokens: int = 512
-    stream_pacing: bool = False
-    tool_call_parser: str = "auto"
-    reasoning_parser: str = "auto"
-    sse_keep_alive_s: float = 15.0
-    max_prompts_per_request: int = 64
-    uvicorn_log_level: str = "warning"
-    log_level: str = "info"
-    metrics_prefix: str = "cadenza"
-    batch_priority: int = 10
-    response_log_size: int = 256
-    response_log_ttl_s: float = 600.0
-    response_log_max_events: int = 16384
-    priority_api_keys: tuple[str, ...] = ()
-    max_prompt_cache_key_chars: int = 256
-    response_log_max_bytes: int = 128 << 20
-    response_log_max_response_bytes: int = 8 << 20
-    response_store_max_bytes: int = 256 << 20
-    max_streams_per_client: int = 64
-    max_grammar_bytes: int = 256 << 10
-    grammar_compile_timeout_s: float = 2.0
-    max_grammar_requests: int = 32
-    max_grammar_requests_per_client: int = 8
+    # network
+    host: str = setting("127.0.0.1", "network", "where to listen (loopback unless you ask)")
+    port: int = setting(8000, "network", "the port to listen on")
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        "network",
+        "Origins accepted from browsers (HTTP and websocket); clients sending no Origin (SDKs, curl) pass; origins "
+        "named here also get CORS headers (their preflights answered)",
+        default_text="the server's own",
+    )
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        "network",
+        "`Host` header values accepted (port optional), a DNS-rebinding guard",
+        default_text="loopback names and --host",
+    )
+    forwarded_allow_ips: tuple[str, ...] = setting(
+        (),
+        "network",
+        "proxies whose `X-Forwarded-For` / `X-Forwarded-Proto` name the client (`*`: any peer). None by default: "
+        "any loopback process could otherwise claim to be any number of clients",
+        default_text="none",
+    )
+    max_connections: int = setting(1024, "network", "open connections accepted (past it new ones get 503)")
+    send_timeout_s: float = setting(
+        30.0,
+        "network",
+        "a send to a client that cannot complete in this time cancels that response and frees its place (a "
+        "websocket is ended, an HTTP stream cut)",
+    )
+    idle_timeout_s: float = setting(5.0, "network", "an HTTP keep-alive connection idle this long is closed")
+    header_timeout_s: float = setting(
+        10.0, "network", "a connection that has not sent its whole request head in this time is closed"
+    )
+    drain_timeout_s: float = setting(30.0, "network", "on SIGTERM, how long in-flight responses may run before ending")
+    sse_keep_alive_s: float = setting(
+        15.0,
+        "network",
+        "an SSE stream silent this long (a long prefill) gets a `: keep-alive` comment, so a proxy's read timeout "
+        "does not cut it (0: never)",
+    )
+    # security
+    api_key: str | None = setting(
+        None,
+        "security",
+        "require `Authorization: Bearer KEY` on every endpoint but `/`, `/health`, `/ping` and `/version`, and on "
+        "the websocket handshake (browsers: subprotocol `openai-insecure-api-key.KEY`); compared in constant time",
+        env="CADENZA_API_KEY",
+        default_text="$CADENZA_API_KEY",
+    )
+    priority_api_keys: tuple[str, ...] = setting(
+        (),
+        "security",
+        "keys whose requests may ask for a priority below the interactive 0 (body `priority` or `x-priority`); each "
+        "is also accepted wherever `api_key` is",
+        default_text="none",
+    )
+    # request limits
+    max_frame_bytes: int = setting(
+        1 << 20,
+        "input limits",
+        "largest websocket message read (UTF-8 bytes): bigger ones get `frame_too_large`; over 4x, the socket closes "
+        "(1009)",
+        default_text="1 MiB",
+    )
+    max_request_bytes: int = setting(
+        1 << 20, "input limits", "largest HTTP request body, counted while it is read (413)", default_text="1 MiB"
+    )
+    max_json_depth: int = setting(32, "input limits", "deepest nesting of arrays and objects in a body or frame")
+    max_messages: int = setting(512, "input limits", "messages in one chat request or response input")
+    max_prompts_per_request: int = setting(
+        64, "input limits", "prompts one `/v1/completions` request may batch (each takes its own admission place)"
+    )
+    max_stream_id_chars: int = setting(128, "input limits", "longest websocket lane name (`stream_id`)")
+    max_prompt_cache_key_chars: int = setting(
+        256, "input limits", "longest `prompt_cache_key` (the session the engine pins)"
+    )
+    max_grammar_bytes: int = setting(
+        256 << 10,
+        "input limits",
+        "largest grammar a request may bring (response_format, structured_outputs, a tool_choice's), in bytes of "
+        "its compiled form (400 `grammar_too_large`)",
+        default_text="256 KiB",
+    )
+    grammar_compile_timeout_s: float = setting(
+        2.0,
+        "input limits",
+        "how long a new grammar may compile, in a worker thread after admission (400 `grammar_too_complex`; the "
+        "verdict is cached by content hash)",
+    )
+    # admission
+    max_concurrent_requests: int = setting(128, "admission", "responses running in the engine")
+    max_queued_requests: int = setting(
+        256, "admission", "responses waiting beyond those; past both, `server_overloaded` with `retry_after_ms`"
+    )
+    max_lanes_per_socket: int = setting(16, "admission", "distinct lanes (`stream_id`s) one socket may have open")
+    max_responses_per_socket: int = setting(64, "admission", "responses in flight or queued in lanes, per socket")
+    max_sockets_per_client: int = setting(64, "admission", "open websockets per client (its peer address)")
+    max_responses_per_client: int = setting(
+        64,
+        "admission",
+        "responses in flight per client, HTTP and websocket together (kept below concurrent + queued)",
+    )
+    max_streams_per_client: int = setting(
+        64, "admission", "HTTP event streams (SSE, resume followers included) open at once per client (429)"
+    )
+    max_grammar_requests: int = setting(
+        32, "admission", "sequences following a grammar in flight, server-wide (n choices count n; 429)"
+    )
+    max_grammar_requests_per_client: int = setting(8, "admission", "the same, per client")
+    batch_priority: int = setting(10, "admission", 'the priority of `service_tier: "flex"` requests (lower runs first)')
+    # responses
+    default_max_output_tokens: int = setting(512, "responses", "when a request does not say (bounded by the context)")
+    stream_pacing: bool = setting(
+        False,
+        "responses",
+        "a step that brings several tokens (speculative decoding) streams one token per event, spread over the "
+        "request's recent step interval; whole HTTP answers are not paced",
+    )
+    response_store_size: int = setting(1024, "responses", "finished responses kept for `previous_response_id`")
+    response_store_ttl_s: float = setting(3600.0, "responses", "how long a stored response is kept")
+    response_store_max_bytes: int = setting(
+        256 << 20,
+        "responses",
+        "the stored conversations' encoded JSON, least recently used dropped first",
+        default_text="256 MiB",
+    )
+    response_log_size: int = setting(
+        256, "responses", "responses whose events are kept so a dropped stream can resume (`starting_after`)"
+    )
+    response_log_ttl_s: float = setting(600.0, "responses", "how long a finished response's events are kept")
+    response_log_max_events: int = setting(16384, "responses", "events kept per response (past it, no resume: 410)")
+    response_log_max_bytes: int = setting(
+        128 << 20, "responses", "the response log's encoded events in all", default_text="128 MiB"
+    )
+    response_log_max_response_bytes: int = setting(
+        8 << 20, "responses", "the response log's encoded events per response", default_text="8 MiB"
+    )
+    tool_call_parser: str = setting(
+        "auto",
+        "responses",
+        "how `tool_choice: auto` replies are read: `hermes`, `llama3`, `mistral`; `auto` recognises the template's "
+        "format (hermes when it knows no tools)",
+    )
+    reasoning_parser: str = setting(
+        "auto",
+        "responses",
+        "how a reasoning model's thinking is read apart from its answer, as vLLM's flag: `qwen3` (a reply opening "
+        "with `<think>`) or `deepseek_r1` (a reply starting inside it), given as `reasoning_content` (a `reasoning` "
+        "item on the Responses API); `auto` recognises them from the chat template, `none` turns it off",
+    )
+    # observability
+    log_level: str = setting(
+        "info",
+        "observability",
+        "Cadenza's logging: at info what the engine chose at load and one `cadenza.requests` line per request (id, "
+        "tokens in and out, TTFT, total, finish reason)",
+        choices=UVICORN_LOG_LEVELS[:-1],
+    )
+    uvicorn_log_level: str = setting(
+        "warning",
+        "observability",
+        "uvicorn's own (its access log is at info), as vLLM's flag",
+        choices=UVICORN_LOG_LEVELS,
+    )
+    metrics_prefix: str = setting(
+        "cadenza",
+        "observability",
+        "the prefix of every metric at `/metrics`; `vllm` gives vLLM's exact names (its Grafana dashboard matches)",
+    )
 
     def __post_init__(self) -> None:
         positive = {

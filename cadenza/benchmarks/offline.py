@@ -36,7 +36,6 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", default="32:512", help="prompt length range lo:hi (inclusive)")
     p.add_argument("--output-len", default="16:256", help="output length range lo:hi (inclusive)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single-stream-tokens", type=int, default=128)
     rounds_help = "rounds of (read GB/s, one decode run)"
     p.add_argument("--single-stream-rounds", type=_at_least_one, default=3, help=rounds_help)

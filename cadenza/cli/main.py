@@ -17,7 +17,6 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--priority", type=int, default=0, help="lower runs first (the priority scheduling policy)")
 
 
@@ -31,7 +30,7 @@ def _params(args: argparse.Namespace):  # noqa: ANN202
     from cadenza.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )
 
 
