@@ -6,11 +6,7 @@ The same app is what `cadenza serve` runs on uvicorn and what Ray Serve will mou
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import html
 import os
-from importlib.resources import files
 
 import msgspec
 from opentelemetry.sdk.trace import TracerProvider
@@ -19,12 +15,13 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from cadenza.engine_client import EngineClient
 from cadenza.errors import EngineDeadError
+from cadenza.gateway.chat_page import VENDOR_PREFIX, ChatPage
 from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.protocol import encode, error_event
@@ -36,22 +33,6 @@ from cadenza.gateway.state import GatewayState
 from cadenza.gateway.tracing import Tracing, provider_from_env
 from cadenza.gateway.utility_routes import UtilityRoutes
 from cadenza.request_limits import key_subprotocol, offered_subprotocols, presented_keys
-
-
-def page_policy(page: str) -> str:
-    """The chat page's Content-Security-Policy: its own inline script and style (by hash, so an
-    injected one never runs), connections to its own origin (HTTP and websocket), nothing else;
-    no framing, no forms posting elsewhere, no <base> rewriting."""
-    hashes = {tag: _inline_hash(page, tag) for tag in ("script", "style")}
-    return (
-        f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
-        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-    )
-
-
-def _inline_hash(page: str, tag: str) -> str:
-    body = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
-    return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
 
 
 def build_app(
@@ -68,19 +49,7 @@ def build_app(
     conversations are kept (default: in this process; Serve replicas share one)."""
     tracing = Tracing(tracer_provider or provider_from_env())
     state = GatewayState(engine, model_name, settings, tracing, store)
-    page = files("cadenza.gateway").joinpath("static/chat.html").read_text()
-    # The page is public (see http_guard.PUBLIC_PATHS): with a key set it names no model either;
-    # it learns the name from its first response. No Referer can carry a key from its address.
-    page = page.replace("{{MODEL}}", "" if settings.api_key else html.escape(model_name))
-    page_headers = {
-        "Referrer-Policy": "no-referrer",
-        "X-Frame-Options": "DENY",
-        "Content-Security-Policy": page_policy(page),
-        "X-Content-Type-Options": "nosniff",
-    }
-
-    async def index(request: Request) -> Response:
-        return HTMLResponse(page, headers=page_headers)
+    page = ChatPage(model_name, hide_model=settings.api_key is not None)
 
     async def health(request: Request) -> Response:
         try:
@@ -114,7 +83,8 @@ def build_app(
     responses_http = ResponsesHttp(state)
     utility = UtilityRoutes(state)
     routes = [
-        Route("/", index),
+        Route("/", page.index),
+        Route(VENDOR_PREFIX + "{name}", page.vendor),
         Route("/v1/models", http.models),
         Route("/v1/models/{model_id:path}", utility.model),
         Route("/tokenize", utility.tokenize, methods=["POST"]),

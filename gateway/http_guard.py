@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cadenza.gateway.chat_page import VENDOR_PREFIX
 from cadenza.gateway.drain import Drain
 from cadenza.gateway.json_scan import check_json
 from cadenza.gateway.protocol import error_object
@@ -31,6 +32,8 @@ from cadenza.request_limits import presented_keys
 # browser's first load cannot send a header, so the page takes the key from its address and
 # sends it on the websocket itself. /health is for load balancers and orchestrators.
 PUBLIC_PATHS = frozenset({"/", "/health", "/ping", "/version"})
+# The chat page's vendored libraries are public as the page is.
+PUBLIC_PREFIX = VENDOR_PREFIX
 
 
 class BodyError(Exception):
@@ -77,9 +80,13 @@ class HttpGuard:
         if not settings.origin_allowed(origin):
             message = f"origin {origin!r} is not allowed; start the server with --allowed-origins {origin} to allow it"
             return error_response(403, message, "origin_not_allowed")
-        if path not in PUBLIC_PATHS and not settings.key_accepts(presented_keys(headers, subprotocols=False)):
+        if not is_public(path) and not settings.key_accepts(presented_keys(headers, subprotocols=False)):
             return error_response(401, "missing or wrong API key", "invalid_api_key")
         return None
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIX)
 
 
 async def read_json(request: Request, kind: type, settings: GatewaySettings) -> object:

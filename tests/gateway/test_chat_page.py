@@ -73,14 +73,14 @@ def test_chat_page_json_mode_and_tool_call_cards(server) -> None:
     from playwright.sync_api import expect
 
     with _connected_page(server) as page:
+        page.click("#settings summary")  # the settings panel opens
         page.check("#json")
         page.fill("#input", "Describe a cat in JSON.")
         page.keyboard.press("Enter")
         reply = page.locator(".msg.assistant").nth(0)
         expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
         if "incomplete" not in reply.locator(".meta").inner_text():
-            text = reply.inner_text().removesuffix(reply.locator(".meta").inner_text()).strip()
-            assert isinstance(json.loads(text), dict)
+            assert isinstance(json.loads(page.evaluate("current.items[1].text")), dict)
         page.uncheck("#json")
         page.fill("#tools", WEATHER_TOOL)
         page.select_option("#tool_choice", "required")
@@ -93,7 +93,8 @@ def test_chat_page_json_mode_and_tool_call_cards(server) -> None:
         page.select_option("#tool_choice", "auto")
         card.locator("input").fill('{"temperature_c": 18}')
         card.locator("button").click()
-        answer = page.locator(".msg.assistant").nth(2)
+        # The tool-calling turn shows as its card (its reply was empty); the answer follows the result.
+        answer = page.locator(".msg.assistant").nth(1)
         expect(answer.locator(".meta")).to_contain_text("TTFT", timeout=120_000)
         page.screenshot(path=str(ARTIFACTS / "chat_page_tools.png"), full_page=True)
 
@@ -110,7 +111,7 @@ def test_chat_page_resumes_after_a_forced_socket_close(server) -> None:
         page.evaluate("ws.close()")  # the network drops mid-reply
         expect(reply.locator(".meta")).to_contain_text("TTFT", timeout=180_000)
         response_id = page.evaluate("previousId")
-        shown = reply.inner_text().removesuffix(reply.locator(".meta").inner_text()).rstrip("\n")
+        shown = page.evaluate("current.items[1].text").rstrip("\n")  # the markdown source the page kept
         stored = server.get(f"/v1/responses/{response_id}")
         # Nothing lost, nothing repeated. Trailing newlines aside: the page's text drops them,
         # and a sampled reply may end on some.

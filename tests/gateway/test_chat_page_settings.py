@@ -1,5 +1,5 @@
-"""The chat page's settings row (system prompt, temperature, max tokens) reaches the engine as
-the Responses API's instructions, temperature and max_output_tokens, in headless Chromium."""
+"""The chat page's settings panel (system prompt, temperature, top_p, max tokens) reaches the engine as
+the Responses API's instructions, temperature, top_p and max_output_tokens, in headless Chromium."""
 
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ def test_the_settings_row_reaches_the_engine() -> None:
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{settings.port}/")
             expect(page.locator("#status")).to_have_text("connected", timeout=30_000)
+            page.click("#settings summary")  # the panel opens
             page.fill("#system", "Answer like a pirate.")
             page.fill("#temperature", "0.3")
+            page.fill("#top_p", "0.9")
             page.fill("#max_tokens", "7")
             page.fill("#input", "Hello")
             page.keyboard.press("Enter")
@@ -45,6 +47,6 @@ def test_the_settings_row_reaches_the_engine() -> None:
         finally:
             browser.close()
     prompt, params = engine.seen[-1]
-    assert (params.temperature, params.max_tokens) == (0.3, 7)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.3, 0.9, 7)
     ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt.token_ids
     assert "Answer like a pirate." in engine.tokenizer.decode(ids, skip_special_tokens=False)

@@ -53,5 +53,14 @@ def test_the_chat_page_has_a_content_security_policy(base: str) -> None:
         policy, page = r.headers["Content-Security-Policy"], r.read().decode()
     directives = dict(d.strip().split(" ", 1) for d in policy.split(";"))
     assert directives["default-src"] == "'none'" and directives["frame-ancestors"] == "'none'"
-    assert directives["script-src"] == _inline(page, "script") and directives["style-src"] == _inline(page, "style")
+    # Its inline script by hash, and script files from its own origin: the vendored libraries.
+    assert directives["script-src"] == "'self' " + _inline(page, "script")
+    assert directives["style-src"] == _inline(page, "style")
     assert "unsafe-inline" not in policy and directives["connect-src"] == "'self'"
+    for name in ("marked.js", "purify.min.js", "highlight.min.js"):
+        assert f'<script src="/static/vendor/{name}"></script>' in page
+        with urllib.request.urlopen(base + "/static/vendor/" + name, timeout=30) as r:  # public, as the page
+            assert r.headers["Content-Type"].startswith("text/javascript") and r.headers["X-Content-Type-Options"]
+    with pytest.raises(urllib.error.HTTPError) as e:  # only the files named in chat_page.VENDORED
+        urllib.request.urlopen(base + "/static/vendor/..%2F..%2Fapp.py", timeout=30)
+    assert e.value.code == 404
