@@ -21,15 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from cadenza.kernels.activation import silu_and_mul_ref
 from cadenza.kernels.attention.dispatch import PAGED_ATTENTION, PagedAttention
 from cadenza.kernels.backend import backend, default_backend
 from cadenza.kernels.cpu.elementwise import fused_add_rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
-from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
-from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
-from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+from cadenza.kernels.kv_write import write_kv_ref
+from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from cadenza.kernels.quant.dequantize import packed_matmul_ref
 from cadenza.kernels.quant.weight import PackedWeight
-from cadenza.kernels.rotary import rotary_ref, rotary_triton
+from cadenza.kernels.rotary import rotary_ref
 
 __all__ = ["BUNDLES", "Kernels", "backend", "bind_kernels", "default_backend"]
 
@@ -84,21 +84,46 @@ def _silu_and_mul_cpu(x: Tensor) -> Tensor:
     return silu_and_mul_cpu(x) if _native(x) else silu_and_mul_ref(x)
 
 
-def _rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return fused_add_rms_norm_triton(x, None, weight, eps)[0]
+def _triton_bundle() -> Kernels:
+    """Triton's bundle, imported only when asked for: a CPU host never imports Triton, so one
+    without a Triton wheel serves on the `cpu` / `torch` bundles."""
+    try:
+        from cadenza.kernels.quant.triton_gemm import packed_matmul_triton
+        from cadenza.kernels.triton_elementwise import (
+            fused_add_rms_norm_triton,
+            rotary_triton,
+            silu_and_mul_triton,
+            write_kv_triton,
+        )
+    except ImportError as e:
+        raise RuntimeError(f"CADENZA_KERNELS=triton needs Triton, which does not import here: {e}") from None
+
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return fused_add_rms_norm_triton(x, None, weight, eps)[0]
+
+    return Kernels(
+        "triton", rms_norm, fused_add_rms_norm_triton, rotary_triton, silu_and_mul_triton, write_kv_triton,
+        PAGED_ATTENTION["triton"], packed_matmul_triton,
+    )  # fmt: skip
 
 
-BUNDLES: dict[str, Kernels] = {
-    "torch": Kernels(
+class _Bundles(dict):
+    """backend name -> Kernels; the triton bundle is built on first use (_triton_bundle)."""
+
+    def __missing__(self, name: str) -> Kernels:
+        if name != "triton":
+            raise KeyError(name)
+        self[name] = bundle = _triton_bundle()
+        return bundle
+
+
+BUNDLES: dict[str, Kernels] = _Bundles(
+    torch=Kernels(
         "torch", rms_norm_ref, fused_add_rms_norm_ref, rotary_ref, silu_and_mul_ref, write_kv_ref,
         PAGED_ATTENTION["torch"], packed_matmul_ref,
     ),
-    "cpu": Kernels(
+    cpu=Kernels(
         "cpu", _rms_norm_cpu, _fused_add_rms_norm_cpu, _rotary_cpu, _silu_and_mul_cpu, write_kv_ref,
         PAGED_ATTENTION["cpu"], packed_matmul_ref,
     ),
-    "triton": Kernels(
-        "triton", _rms_norm_triton, fused_add_rms_norm_triton, rotary_triton, silu_and_mul_triton, write_kv_triton,
-        PAGED_ATTENTION["triton"], packed_matmul_triton,
-    ),
-}  # fmt: skip
+)  # fmt: skip

@@ -85,9 +85,10 @@ def make_plan(tiny: bool, quick: bool) -> Plan:
 
 def elementwise_cases(plan: Plan, dtype: torch.dtype, dev: torch.device) -> Iterator[Case]:
     """RMSNorm (fused with the residual add), RoPE, SiLU-and-mul and the KV write."""
-    from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-    from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
-    from cadenza.kernels.rotary import rotary_ref, rotary_triton
+    from cadenza.kernels.activation import silu_and_mul_ref
+    from cadenza.kernels.norm import fused_add_rms_norm_ref
+    from cadenza.kernels.rotary import rotary_ref
+    from cadenza.kernels.triton_elementwise import fused_add_rms_norm_triton, rotary_triton, silu_and_mul_triton
 
     size = torch.finfo(dtype).bits // 8
     for t in plan.rows:
@@ -136,7 +137,8 @@ def _flat_cat(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def _kv_write_case(plan: Plan, tokens: int, dtype: torch.dtype, dev: torch.device) -> Case:
-    from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
+    from cadenza.kernels.kv_write import write_kv_ref
+    from cadenza.kernels.triton_elementwise import write_kv_triton
 
     k, d, bs = plan.kv_heads, plan.head_dim, plan.block_size
     num_blocks = -(-tokens // bs) * 2
@@ -312,8 +314,8 @@ def random_gguf_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> n
 def _packed_cases(
     kernel: str, shape: dict[str, object], w: PackedWeight, ms: tuple[int, ...], dtype: torch.dtype
 ) -> Iterator[Case]:
-    from cadenza.kernels.quant.dequantize import dequantize
-    from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+    from cadenza.kernels.quant.dequantize import dequantize, packed_matmul_ref
+    from cadenza.kernels.quant.triton_gemm import packed_matmul_triton
 
     dense = dequantize(w).to(dtype)
     for m in ms:

@@ -29,9 +29,7 @@ def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - cadenza.LLM, imported
 def _params(args: argparse.Namespace):  # noqa: ANN202
     from cadenza.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
-    )
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ throughout. Contract of each: paged_attention_ref (q [T, H, D] -> [T, H, D]).
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 from typing import Protocol
 
 import torch
@@ -18,7 +18,6 @@ import torch
 from cadenza.kernels.attention.cpu import paged_decode_attention_cpu, paged_prefill_attention_cpu, reads_cache
 from cadenza.kernels.attention.metadata import AttentionMetadata
 from cadenza.kernels.attention.reference import paged_attention_ref
-from cadenza.kernels.attention.triton_paged import paged_attention_triton
 
 _PREFILL_BF16 = partial(paged_prefill_attention_cpu, bf16=True)  # built once, not per layer and step
 
@@ -73,7 +72,15 @@ def triton_paged_attention(
     scale: float,
     bf16_products: bool = False,
 ) -> torch.Tensor:
-    return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return _triton_kernels()(q, k_cache, v_cache, meta, scale)
+
+
+@cache
+def _triton_kernels() -> PagedAttention:
+    # Imported on first use: a CPU host never imports Triton (kernels/ops.py).
+    from cadenza.kernels.attention.triton_paged import paged_attention_triton
+
+    return paged_attention_triton
 
 
 PAGED_ATTENTION: dict[str, PagedAttention] = {

@@ -8,7 +8,8 @@ import torch
 
 from cadenza.kernels.backend import backend
 from cadenza.kernels.linear.base import LinearMethod
-from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+from cadenza.kernels.quant.dequantize import packed_matmul_ref
+from cadenza.kernels.quant.triton_gemm import packed_matmul_triton
 from cadenza.kernels.quant.weight import TRITON_KINDS, PackedWeight
 
 

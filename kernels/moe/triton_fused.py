@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cadenza.kernels.activation import silu_and_mul_triton
 from cadenza.kernels.moe.routing import sort_by_expert
 from cadenza.kernels.triton_common import dot_precision, dot_tile
+from cadenza.kernels.triton_elementwise import silu_and_mul_triton
 
 BLOCK_M = 16
 

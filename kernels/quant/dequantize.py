@@ -27,6 +27,12 @@ def dequantize(w: PackedWeight, start: int = 0, end: int | None = None) -> torch
     return _q6_k(data.view(end - start, -1, 210)).view(end - start, w.cols)
 
 
+def packed_matmul_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: dequantize to x's dtype, then a plain matmul (+ bias)."""
+    y = x @ dequantize(w).to(x.dtype).T
+    return y if bias is None else y + bias
+
+
 def round_activations_ref(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] rounded to int8 per block of 32 along K (scale = the block's max / 127), as
     the q4 / q8 kernels read it: csrc/packed_linear.c's round_activations in torch."""

@@ -21,17 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cadenza.kernels.quant.dequantize import dequantize
 from cadenza.kernels.quant.weight import SUBBLOCK, TRITON_KINDS, PackedWeight
 from cadenza.kernels.triton_common import dot_precision, dot_tile
 
 MAX_BLOCK_K = 128
-
-
-def packed_matmul_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: dequantize to x's dtype, then a plain matmul (+ bias)."""
-    y = x @ dequantize(w).to(x.dtype).T
-    return y if bias is None else y + bias
 
 
 @triton.jit

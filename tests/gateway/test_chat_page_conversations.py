@@ -37,7 +37,9 @@ class ScriptedEngine(PacedEngine):
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             out = CompletionOutput(0, piece, [42], None, None, "stop" if last else None)
-            yield RequestOutput(request_id, None, [], None, [out], last, 0, [RequestMetrics(time.time(), queue_time=0.0)])
+            yield RequestOutput(
+                request_id, None, [], None, [out], last, 0, [RequestMetrics(time.time(), queue_time=0.0)]
+            )
 
     def prompt_text(self, index: int = -1) -> str:
         prompt = self.seen[index][0]

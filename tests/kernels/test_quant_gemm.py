@@ -13,10 +13,10 @@ from cadenza_testkit.kernel_compare import DEVICE, within_2x
 
 from cadenza.kernels import ops
 from cadenza.kernels.linear.triton_packed import TritonPackedLinear
-from cadenza.kernels.quant.dequantize import dequantize
+from cadenza.kernels.quant.dequantize import dequantize, packed_matmul_ref
 from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
 from cadenza.kernels.quant.quantize import quantize_int4, quantize_int8, to_dense_kind
-from cadenza.kernels.quant.triton_gemm import packed_matmul_ref, packed_matmul_triton
+from cadenza.kernels.quant.triton_gemm import packed_matmul_triton
 from cadenza.kernels.quant.weight import PackedWeight
 
 N = 40  # not a multiple of the N tile: the last tile is masked

@@ -12,11 +12,17 @@ import pytest
 import torch
 from cadenza_testkit.kernel_compare import DEVICE, DTYPES, within_2x
 
-from cadenza.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from cadenza.kernels.activation import silu_and_mul_ref
 from cadenza.kernels.attention import triton_paged
-from cadenza.kernels.kv_write import write_kv_ref, write_kv_triton
-from cadenza.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
-from cadenza.kernels.rotary import rotary_ref, rotary_triton
+from cadenza.kernels.kv_write import write_kv_ref
+from cadenza.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from cadenza.kernels.rotary import rotary_ref
+from cadenza.kernels.triton_elementwise import (
+    fused_add_rms_norm_triton,
+    rotary_triton,
+    silu_and_mul_triton,
+    write_kv_triton,
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
