@@ -24,6 +24,7 @@ from cadenza.errors import EngineDeadError
 from cadenza.gateway.chat_page import VENDOR_PREFIX, ChatPage
 from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
+from cadenza.gateway.openapi import OpenApiRoutes
 from cadenza.gateway.protocol import encode, error_event
 from cadenza.gateway.response_store import ConversationStore
 from cadenza.gateway.responses_http import ResponsesHttp
@@ -82,6 +83,7 @@ def build_app(
     http = OpenAIHttp(state)
     responses_http = ResponsesHttp(state)
     utility = UtilityRoutes(state)
+    api_doc = OpenApiRoutes()
     routes = [
         Route("/", page.index),
         Route(VENDOR_PREFIX + "{name}", page.vendor),
@@ -90,6 +92,8 @@ def build_app(
         Route("/tokenize", utility.tokenize, methods=["POST"]),
         Route("/detokenize", utility.detokenize, methods=["POST"]),
         Route("/version", utility.version),
+        Route("/openapi.json", api_doc.openapi),
+        Route("/docs", api_doc.docs),
         Route("/ping", health, methods=["GET", "POST"]),
         Route("/v1/chat/completions", http.chat_completions, methods=["POST"]),
         Route("/v1/completions", http.completions, methods=["POST"]),

@@ -25,14 +25,14 @@ def page_policy(page: str) -> str:
     other same-origin answer is JSON or text, which nosniff keeps from running), connections to
     its own origin (HTTP and websocket), nothing else; no framing, no forms posting elsewhere,
     no <base> rewriting."""
-    hashes = {tag: _inline_hash(page, tag) for tag in ("script", "style")}
+    hashes = {tag: inline_hash(page, tag) for tag in ("script", "style")}
     return (
         f"default-src 'none'; script-src 'self' {hashes['script']}; style-src {hashes['style']}; "
         "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
     )
 
 
-def _inline_hash(page: str, tag: str) -> str:
+def inline_hash(page: str, tag: str) -> str:
     body = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
     return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
 

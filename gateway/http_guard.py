@@ -31,7 +31,7 @@ from cadenza.request_limits import presented_keys
 # The chat page holds no data (with a key set it is served without even the model name): a
 # browser's first load cannot send a header, so the page takes the key from its address and
 # sends it on the websocket itself. /health is for load balancers and orchestrators.
-PUBLIC_PATHS = frozenset({"/", "/health", "/ping", "/version"})
+PUBLIC_PATHS = frozenset({"/", "/health", "/ping", "/version", "/openapi.json", "/docs"})
 # The chat page's vendored libraries are public as the page is.
 PUBLIC_PREFIX = VENDOR_PREFIX
 

@@ -64,7 +64,8 @@ class GatewaySettings:
     api_key: str | None = setting(
         None,
         "security",
-        "require `Authorization: Bearer KEY` on every endpoint but `/`, `/health`, `/ping` and `/version`, and on "
+        "require `Authorization: Bearer KEY` on every endpoint but `/` (and its scripts), `/health`, `/ping`, `/version`, "
+        "`/openapi.json` and `/docs`, and on "
         "the websocket handshake (browsers: subprotocol `openai-insecure-api-key.KEY`); compared in constant time",
         env="CADENZA_API_KEY",
         default_text="$CADENZA_API_KEY",

@@ -93,3 +93,18 @@ def test_cors_preflight(base: str, origin: str, allowed: bool) -> None:
     models = _call("GET", base + "/v1/models", headers={"Origin": origin})
     assert (models.status_code == 200) == allowed  # the guard refuses the other origin's request too
     assert (models.headers.get("access-control-allow-origin") == origin) == allowed
+
+
+def test_the_openapi_document_and_its_page(base: str) -> None:
+    """vLLM's /openapi.json and /docs: every route, and the bodies' schemas from the Structs the
+    routes decode (so a field the server takes is in the document)."""
+    doc = _call("GET", base + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.") and doc["info"]["version"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/v1/models/{model_id}"):
+        assert path in doc["paths"], path
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    fields = doc["components"]["schemas"][chat["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert {"messages", "tools", "response_format", "stream_options", "max_completion_tokens"} <= set(fields)
+    page = _call("GET", base + "/docs")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text and "<script" not in page.text
+    assert "default-src 'none'" in page.headers["content-security-policy"]
