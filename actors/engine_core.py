@@ -359,7 +359,7 @@ class EngineCore:
         spec = s.spec_stats if s.spec is not None else None
         return EngineStats(
             len(s.running), len(s.waiting), s.num_preemptions, self.kv.pool.stats(), spec, *self.formats,
-            self.executor.weight_bytes, num_pinned_blocks=self.kv.pins.num_pinned_blocks,
+            self.executor.weight_bytes, num_pinned_blocks=self.kv.pins.num_pinned_blocks, step_tokens=s.step_tokens,
         )  # fmt: skip
 
     def serving_stats(self, num_worker_restarts: int = 0) -> ServingStats:

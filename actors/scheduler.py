@@ -23,7 +23,7 @@ from cadenza.messages import (
     NewRequestData,
     SchedulerOutput,
 )
-from cadenza.stats import SpecDecodeStats
+from cadenza.stats import SpecDecodeStats, StepTokenStats
 
 
 class Scheduler:
@@ -61,6 +61,7 @@ class Scheduler:
         # wait here for the engine to publish (schedule() returns the step's plan only).
         self.failed: list[EngineOutput] = []
         self.num_preemptions = 0
+        self.step_tokens = StepTokenStats()  # tokens per step, for vLLM's iteration_tokens_total
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -147,6 +148,8 @@ class Scheduler:
         if self.spec is not None:
             self._plan_proposals(so)
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+        if so.total_num_scheduled_tokens:
+            self.step_tokens.record(so.total_num_scheduled_tokens)
         so.finished_req_ids, self.finished_ids = self.finished_ids, []
         if self.schedule_ahead:
             self._put_in_flight(so)

@@ -3,6 +3,9 @@ they cross actor boundaries as they are and the gateway reads them without the e
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import msgspec
 
 
@@ -39,6 +42,32 @@ class SpecDecodeStats(msgspec.Struct):
             self.accepted_per_position[j] += 1
 
 
+# vLLM's buckets for tokens per engine step (its iteration_tokens_total histogram).
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class StepTokenStats(msgspec.Struct):
+    """Tokens scheduled per engine step since start, as a histogram: counts[i] steps of at most
+    STEP_TOKEN_BUCKETS[i] tokens (and above the one before), the last count past them all."""
+
+    counts: list[int] = []
+    total_tokens: int = 0
+    num_steps: int = 0
+
+    def record(self, tokens: int) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
+        self.counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, tokens)] += 1
+        self.total_tokens += tokens
+        self.num_steps += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, steps at or below it) per bucket, "+Inf" last: Prometheus's histogram shape."""
+        counts = self.counts or [0] * (len(STEP_TOKEN_BUCKETS) + 1)
+        bounds = [str(float(b)) for b in STEP_TOKEN_BUCKETS] + ["+Inf"]
+        return list(zip(bounds, itertools.accumulate(counts), strict=True))
+
+
 class EngineStats(msgspec.Struct):
     """The scheduler and its KV block pool, and how the weights are kept: `weights` the
     format ("gguf" for a GGUF's stored types, "int4-g32", "bf16", ...), `dtype` what
@@ -56,6 +85,7 @@ class EngineStats(msgspec.Struct):
     compute_dtype: str = ""
     weight_bytes: int = 0
     num_pinned_blocks: int = 0  # held for conversations between their turns (session pins)
+    step_tokens: StepTokenStats | None = None  # tokens per step (None: an engine that does not count)
 
 
 class ServingStats(msgspec.Struct, kw_only=True):

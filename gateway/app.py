@@ -7,6 +7,7 @@ The same app is what `cadenza serve` runs on uvicorn and what Ray Serve will mou
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import msgspec
 from opentelemetry.sdk.trace import TracerProvider
@@ -35,6 +36,9 @@ from cadenza.gateway.tracing import Tracing, provider_from_env
 from cadenza.gateway.utility_routes import UtilityRoutes
 from cadenza.request_limits import key_subprotocol, offered_subprotocols, presented_keys
 
+if TYPE_CHECKING:  # Ray, imported only under Serve
+    from cadenza.gateway.replica_metrics import MetricsBoard
+
 
 def build_app(
     engine: EngineClient,
@@ -43,11 +47,13 @@ def build_app(
     tracer_provider: TracerProvider | None = None,
     check_host: bool = True,
     store: ConversationStore | None = None,
+    metrics_board: MetricsBoard | None = None,
 ) -> Starlette:
     """tracer_provider: where request spans go (default: as the OTEL_* variables say, else off).
     check_host: refuse a Host header that is not ours (off under Ray Serve unless allowed_hosts
     is set: its proxy is reached by whatever name the cluster gives it). store: where
-    conversations are kept (default: in this process; Serve replicas share one)."""
+    conversations are kept (default: in this process; Serve replicas share one). metrics_board:
+    under Serve, where /metrics gathers every replica's (gateway/replica_metrics.py)."""
     tracing = Tracing(tracer_provider or provider_from_env())
     state = GatewayState(engine, model_name, settings, tracing, store)
     page = ChatPage(model_name, hide_model=settings.api_key is not None)
@@ -75,7 +81,13 @@ def build_app(
         return JSONResponse({"engine": engine_stats, "gateway": gateway})
 
     async def metrics(request: Request) -> Response:
-        return Response(await state.metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+        body = await state.metrics.render(engine)
+        if metrics_board is not None:  # a Serve replica: every replica's, each labelled
+            body = await metrics_board.scrape(body)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    if metrics_board is not None:
+        metrics_board.bind(lambda: state.metrics.render(engine))
 
     async def responses(ws: WebSocket) -> None:
         await handle_socket(ws, state, check_host)

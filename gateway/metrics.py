@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from cadenza.engine_client import EngineClient
 from cadenza.errors import EngineDeadError
@@ -146,6 +146,12 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)
             yield counter
+        if engine.step_tokens is not None:
+            steps = HistogramMetricFamily(
+                p + "iteration_tokens_total", "Tokens per engine step.", labels=["model_name"]
+            )
+            steps.add_metric(label, engine.step_tokens.cumulative(), sum_value=engine.step_tokens.total_tokens)
+            yield steps
         yield from self._spec_decode(engine.spec_decode, label, p)
 
     def _spec_decode(self, spec: SpecDecodeStats | None, label: list[str], p: str) -> Iterator[Metric]:

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cadenza.actors.async_llm import AsyncLLM
 from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
+from cadenza.gateway.replica_metrics import MetricsBoard, board_name
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.shared_store import SharedStore, store_name
 
@@ -61,11 +62,18 @@ class CadenzaDeployment:
         s = self.settings
         name = store_name(self.app_name, self.model_name)
         store = SharedStore(s.response_store_size, s.response_store_ttl_s, s.response_store_max_bytes, name)
-        app = build_gateway(self.engine, self.model_name, self.settings, check_host=check_host, store=store)
+        # /metrics on any replica answers for all of them (gateway/replica_metrics.py).
+        name = board_name(self.app_name, self.model_name)
+        self.board = MetricsBoard(name, self.replica_id, s.metrics_push_interval_s)
+        app = build_gateway(
+            self.engine, self.model_name, self.settings, check_host=check_host, store=store, metrics_board=self.board
+        )
         return _ReplicaHeader(app, self.replica_id)
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising gets the replica replaced."""
+        if getattr(self, "board", None) is not None:
+            self.board.start()  # the first check comes as the replica starts: post from then on
         await self.engine.check_health()
 
     def __del__(self) -> None:

@@ -64,9 +64,9 @@ class GatewaySettings:
     api_key: str | None = setting(
         None,
         "security",
-        "require `Authorization: Bearer KEY` on every endpoint but `/` (and its scripts), `/health`, `/ping`, `/version`, "
-        "`/openapi.json` and `/docs`, and on "
-        "the websocket handshake (browsers: subprotocol `openai-insecure-api-key.KEY`); compared in constant time",
+        "require `Authorization: Bearer KEY` on every endpoint but `/` (and its scripts), `/health`, `/ping`, "
+        "`/version`, `/openapi.json` and `/docs`, and on the websocket handshake (browsers: subprotocol "
+        "`openai-insecure-api-key.KEY`); compared in constant time",
         env="CADENZA_API_KEY",
         default_text="$CADENZA_API_KEY",
     )
@@ -185,6 +185,12 @@ class GatewaySettings:
         "uvicorn's own (its access log is at info), as vLLM's flag",
         choices=UVICORN_LOG_LEVELS,
     )
+    metrics_push_interval_s: float = setting(
+        5.0,
+        "observability",
+        "under Ray Serve: how often each replica posts its metrics, so /metrics on any replica answers for all "
+        "(each sample labelled `replica`; a replica silent for 3 intervals is left out)",
+    )
     metrics_prefix: str = setting(
         "cadenza",
         "observability",
@@ -221,7 +227,8 @@ class GatewaySettings:
             raise ValueError("response_log_max_bytes must be >= response_log_max_response_bytes")
         if self.max_queued_requests < 0 or self.response_store_ttl_s <= 0:
             raise ValueError("max_queued_requests must be >= 0 and response_store_ttl_s > 0")
-        for name in ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s", "response_log_ttl_s"):
+        timeouts = ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s", "response_log_ttl_s")
+        for name in (*timeouts, "metrics_push_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.tool_call_parser not in ("auto", *PARSERS):

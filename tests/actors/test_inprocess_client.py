@@ -68,6 +68,8 @@ def test_streams_equal_offline_and_cancelled_ones_free_their_blocks(client: InPr
     assert stats.num_workers == 0 and stats.num_steps > 0
     assert stats.engine.kv_cache.num_free_blocks == NUM_BLOCKS
     assert stats.engine.num_running == stats.engine.num_waiting == 0
+    steps = stats.engine.step_tokens  # every scheduled token counted once, in some step
+    assert steps.num_steps == sum(steps.counts) > 0 and steps.total_tokens >= steps.num_steps
 
 
 @pytest.mark.slow

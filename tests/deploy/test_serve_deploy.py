@@ -15,6 +15,7 @@ import openai
 import pytest
 import websockets
 import yaml
+from cadenza_testkit.waiting import until_sync
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -61,7 +62,9 @@ def two_replicas(ray_cluster, tiny_chat_model: Path):  # noqa: ANN201
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = CadenzaDeployment.options(
         num_replicas=2, request_router_config=SESSION_ROUTER, health_check_period_s=1, health_check_timeout_s=10
-    ).bind(str(tiny_chat_model), "tiny", {"num_blocks": 256, "max_engine_restarts": 1}, {})
+    ).bind(
+        str(tiny_chat_model), "tiny", {"num_blocks": 256, "max_engine_restarts": 1}, {"metrics_push_interval_s": 0.5}
+    )
     serve.run(app, name="cadenza", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -103,6 +106,15 @@ def test_two_replicas_serve_http_and_websockets_with_session_affinity(two_replic
     assert len(alice) == 1  # one session, one replica
     spread = {_get(two_replicas, {"x-session-id": f"user-{i}"})[0] for i in range(8)}
     assert len(spread) == 2  # sessions spread over both replicas
+    # /metrics, whichever replica answers, holds both replicas' requests, each labelled.
+    until_sync(lambda: _replicas_in_metrics(two_replicas) == spread, "both replicas in one scrape")
+
+
+def _replicas_in_metrics(url: str) -> set[str]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("cadenza:request_success_total{")]
+    return {line.split('replica="', 1)[1].split('"', 1)[0] for line in lines}
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ VLLM_DASHBOARD_METRICS = [
     # and the newer names beside them
     "vllm:inter_token_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
     "vllm:request_inference_time_seconds_bucket", "vllm:kv_cache_usage_perc",
+    "vllm:iteration_tokens_total_bucket", "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
 ]  # fmt: skip
 
 
