@@ -111,13 +111,7 @@ class Scheduler:
         self._expire()
         self.kv.pins.expire()
         budget = self.max_num_batched_tokens
-        so = SchedulerOutput(
-            new_requests=[],
-            cached_requests=[],
-            num_scheduled_tokens={},
-            total_num_scheduled_tokens=0,
-            finished_req_ids=[],
-        )
+        so = SchedulerOutput()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -148,8 +142,7 @@ class Scheduler:
         if self.spec is not None:
             self._plan_proposals(so)
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
-        if so.total_num_scheduled_tokens:
-            self.step_tokens.record(so.total_num_scheduled_tokens)
+        self.step_tokens.record(so.total_num_scheduled_tokens)
         so.finished_req_ids, self.finished_ids = self.finished_ids, []
         if self.schedule_ahead:
             self._put_in_flight(so)

@@ -63,12 +63,12 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
 class SchedulerOutput(msgspec.Struct, kw_only=True):
     """One step's plan: which requests compute how many of their next tokens."""
 
-    new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
     # Runners drop their state for these (finished, aborted or preempted since the last step).
-    finished_req_ids: list[str]
+    finished_req_ids: list[str] = []
     # Speculative decoding: drafts scheduled as extra tokens of their request (verified in
     # this pass), and how many drafts to propose for each request after this step.
     scheduled_spec_tokens: dict[str, list[int]] = {}

@@ -55,6 +55,8 @@ class StepTokenStats(msgspec.Struct):
     num_steps: int = 0
 
     def record(self, tokens: int) -> None:
+        if not tokens:  # a step that ran nothing (all waiting on outputs) is no iteration
+            return
         if not self.counts:
             self.counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
         self.counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, tokens)] += 1

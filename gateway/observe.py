@@ -63,10 +63,14 @@ class Observation:
         times = (self.arrival, self.queue_time, self.first_token_at, now)
         self.span.finish(response_id, self.model, reasons, (prompt_tokens, self.output_tokens), times, text)
         if request_log.isEnabledFor(logging.INFO):
-            ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.arrival:.3f}s"
+            ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 3)
+            finish, total = ",".join(reasons) or "abort", round(now - self.arrival, 3)
+            fields = dict(request_id=response_id, prompt_tokens=prompt_tokens, output_tokens=self.output_tokens,
+                          ttft_s=ttft, total_s=total, finish_reason=finish)  # fmt: skip
             request_log.info(
                 "%s: %d prompt tokens, %d output tokens, ttft %s, total %.3fs, finish %s",
-                response_id, prompt_tokens, self.output_tokens, ttft, now - self.arrival, ",".join(reasons) or "abort",
+                response_id, prompt_tokens, self.output_tokens, "-" if ttft is None else f"{ttft:.3f}s", total, finish,
+                extra={"fields": fields},
             )  # fmt: skip
 
     def fail(self, error: BaseException) -> None:

@@ -17,6 +17,7 @@ from cadenza.engine_args import engine_kwargs
 from cadenza.engine_client import EngineClient
 from cadenza.gateway.app import build_app
 from cadenza.gateway.header_timeout import head_deadline_protocol
+from cadenza.gateway.log_format import configure_logging
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
 from cadenza.setting import add_flags, values_from_args
@@ -51,7 +52,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 
 def run_server(args: argparse.Namespace) -> None:
     settings = settings_from_args(args)  # first: a bad flag is one line, before any engine loads
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
 
     engine = _engine_client(args)
     if args.chat_template:

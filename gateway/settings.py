@@ -6,6 +6,7 @@ import hmac
 import re
 from dataclasses import dataclass
 
+from cadenza.gateway.log_format import LOG_FORMATS
 from cadenza.gateway.reasoning import REASONING_PARSERS
 from cadenza.gateway.scheduling import MAX_PRIORITY, MIN_PRIORITY
 from cadenza.gateway.tool_calls import PARSERS
@@ -179,6 +180,13 @@ class GatewaySettings:
         "tokens in and out, TTFT, total, finish reason)",
         choices=UVICORN_LOG_LEVELS[:-1],
     )
+    log_format: str = setting(
+        "text",
+        "observability",
+        "`text`: one readable line per record; `json`: one JSON object per line (time, level, logger, message, and "
+        "the request log's fields: id, tokens in and out, TTFT, total, finish reason)",
+        choices=LOG_FORMATS,
+    )
     uvicorn_log_level: str = setting(
         "warning",
         "observability",
@@ -241,6 +249,8 @@ class GatewaySettings:
             raise ValueError(message)
         if self.log_level not in UVICORN_LOG_LEVELS[:-1]:
             raise ValueError(f"log_level must be one of {', '.join(UVICORN_LOG_LEVELS[:-1])}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             levels = ", ".join(UVICORN_LOG_LEVELS)
             raise ValueError(f"uvicorn_log_level must be one of {levels}, got {self.uvicorn_log_level!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -66,8 +67,11 @@ def _venv_without_triton(tmp: Path) -> Path:
 
 @pytest.mark.slow
 def test_the_wheel_installs_and_serves_without_triton(tmp_path: Path) -> None:
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "tests", "docs", "*.egg-info"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, ROOT],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, source],
         check=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     wheel = next(tmp_path.glob("cadenza-*.whl"))
