@@ -22,6 +22,7 @@ import ray
 
 from cadenza.actors import codec
 from cadenza.actors.engine_actor import EngineActor
+from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport
 from cadenza.actors.local_ray import ensure_ray
 from cadenza.actors.output_stream import stream_batches
 from cadenza.actors.stream_client import StreamingClient
@@ -106,6 +107,16 @@ class AsyncLLM(StreamingClient):
             pass  # already dead: Ray reclaims what it owned
         ray.kill(self.engine)
         self._dead = "the engine was shut down"
+
+    async def export_kv(self, token_ids: list[int], cache_salt: str | None = None) -> tuple[KVHandoff, list[Any]]:
+        """The cached blocks of token_ids' prefix, for another engine (actors/kv_connector/)."""
+        self._check_alive()
+        return await self._call("export_kv", token_ids, cache_salt)
+
+    async def import_kv(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
+        """Another engine's exported blocks into this engine's prefix cache."""
+        self._check_alive()
+        return await self._call("import_kv", handoff, refs)
 
     async def _submit(self, requests: list[EngineRequest]) -> None:
         for req in requests:

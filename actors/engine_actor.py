@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import ray
 
 from cadenza.actors import codec
+from cadenza.actors.kv_connector.engine_port import EnginePort
+from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.output_stream import OutputServer
 from cadenza.actors.step_errors import WorkerFailure
@@ -85,6 +87,7 @@ class EngineActor:
             self._resize_pool(self.executor.num_blocks)
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         self._loop_task.add_done_callback(self._on_loop_exit)
+        self.port = EnginePort(self.core.kv, self.executor)
         return self.core.max_model_len
 
     def _resize_pool(self, num_blocks: int) -> None:
@@ -109,6 +112,14 @@ class EngineActor:
     async def abort(self, request_ids: list[str]) -> None:
         self._publish(self.core.abort(request_ids))
         self._has_work.set()  # so the workers hear of it and drop their copies
+
+    async def export_kv(self, token_ids: list[int], cache_salt: str | None) -> tuple[KVHandoff, list[ray.ObjectRef]]:
+        """The KV connector: the cached blocks of token_ids' prefix, for another engine."""
+        return await self.port.export(token_ids, cache_salt)
+
+    async def import_kv(self, handoff: KVHandoff, refs: list[ray.ObjectRef]) -> KVImport:
+        """The KV connector: another engine's blocks into this prefix cache (held ones skipped)."""
+        return await self.port.import_(handoff, refs)
 
     async def get_outputs(self, ack: int) -> OutputBatch:
         """Wait until a batch after `ack` exists, then hand over all of them at once."""

@@ -193,6 +193,22 @@ class RayExecutor:
         cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
         return classify_step_error(cause, self.config.tensor_parallel_size > 1)
 
+    async def read_kv(self, block_ids: list[int]) -> list[ray.ObjectRef]:
+        """The KV connector's export: each worker's share of the blocks (its heads, its stage's
+        layers) stays in the object store; only the references come back. A worker's calls run
+        one at a time, so a read never overlaps its step."""
+        refs = [w.read_kv.remote(block_ids) for w in self.workers]
+        await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
+        return refs
+
+    async def write_kv(self, block_ids: list[int], refs: list[ray.ObjectRef], positions: list[int]) -> int:
+        """The KV connector's import: worker i reads the exporter's worker i's array (the same
+        shard of the same layers: equal TP and PP on both sides)."""
+        if len(refs) != len(self.workers):
+            raise ValueError(f"{len(refs)} KV shards for {len(self.workers)} workers: TP and PP must match")
+        calls = [w.write_kv.remote(block_ids, ref, positions) for w, ref in zip(self.workers, refs, strict=True)]
+        return sum(await asyncio.gather(*calls))
+
     def shutdown(self) -> None:
         # Kill first: a graph's teardown waits for every worker's loop, and a survivor may sit
         # in a collective for distributed_timeout_s.

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import ray
+
 from cadenza.actors.device_samples import PendingOutput
 from cadenza.actors.executor import WorkerFailure, classify_step_error
 from cadenza.actors.worker import Worker
@@ -78,6 +80,15 @@ class LocalExecutor:
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def read_kv(self, block_ids: list[int]) -> list[ray.ObjectRef]:
+        """The KV connector's export: the blocks' bytes in the object store (one worker here)."""
+        return [ray.put(await self._call(self.worker.read_kv, block_ids))]
+
+    async def write_kv(self, block_ids: list[int], refs: list[ray.ObjectRef], positions: list[int]) -> int:
+        """The KV connector's import, on the step thread: never during a step."""
+        data = await refs[0]
+        return await self._call(self.worker.write_kv, block_ids, data, positions)
 
     def shutdown(self) -> None:
         self.worker = None  # the weights and KV go with the last reference

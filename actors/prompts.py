@@ -87,9 +87,14 @@ def fan_out(
     tokenizer: Tokenizer | None,
     cache_salt: str | None = None,
     session_id: str | None = None,
+    resume_from: list[int] | None = None,
 ) -> tuple[PendingRequest, list[EngineRequest]]:
     """n > 1: child 0 leads, the others follow it (they wait for its prompt KV, then share it);
-    seeded children get seed + i, so their samples differ but stay reproducible."""
+    seeded children get seed + i, so their samples differ but stay reproducible. resume_from:
+    outputs already streamed (n = 1): the engine goes on after them, the stream yields only
+    what follows (its text detokenized in their context)."""
+    if resume_from and params.n != 1:
+        raise ValueError("a resumed request has one sequence (n = 1)")
     pending = PendingRequest(request_id, text, ids, {})
     requests: list[EngineRequest] = []
     for i in range(params.n):
@@ -106,7 +111,8 @@ def fan_out(
                 cache_salt=cache_salt,
                 session_id=session_id,
                 prefix_leader=requests[0].request_id if requests else None,
+                output_token_ids=list(resume_from or ()),
             )
         )
-        pending.seqs[child] = SequenceState(i, tokenizer, ids, child_params)
+        pending.seqs[child] = SequenceState(i, tokenizer, ids + list(resume_from or ()), child_params)
     return pending, requests

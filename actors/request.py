@@ -33,7 +33,7 @@ class Request:
         self.prefix_leader = req.prefix_leader
         self.session_id = req.session_id
         self.eos_token_ids = () if self.params.ignore_eos else eos_token_ids
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(req.output_token_ids)  # non-empty: resumed
         self.num_computed_tokens = 0  # by steps whose outputs came back
         # Steps scheduled ahead of their outputs (async scheduling), oldest first: (tokens
         # computed, whether it samples). Empty when steps run one at a time.

@@ -63,6 +63,7 @@ class StreamingClient:
         pace: bool = False,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        resume_from: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request: each output holds only what is new since the last one.
 
@@ -71,12 +72,16 @@ class StreamingClient:
         cache_salt: mixed into every KV block hash, so requests with another salt (another
         tenant) never share this request's cached prefix.
         session_id: the conversation this is a turn of; its prefix stays pinned in the KV
-        cache between turns (EngineConfig.session_pin_ttl_s)."""
+        cache between turns (EngineConfig.session_pin_ttl_s).
+        resume_from: this request's outputs so far, sampled elsewhere (disaggregation's prefill
+        engine): the engine resumes after them and the stream yields only what follows."""
         self._check_alive()
         params = sampling_params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        pending, requests = fan_out(rid, text, ids, params, priority, self.tokenizer, cache_salt, session_id)
+        pending, requests = fan_out(
+            rid, text, ids, params, priority, self.tokenizer, cache_salt, session_id, resume_from
+        )
         if rid in self._families or any(r.request_id in self._queues for r in requests):
             raise ValueError(f"request id {rid!r} is already in use")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()

@@ -14,12 +14,14 @@ import os
 import socket
 import threading
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
 from cadenza.actors import codec
 from cadenza.actors.device_samples import PendingOutput, landed
+from cadenza.actors.kv_connector.blocks import gather_blocks, scatter_blocks
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.runner_setup import build_runner, kv_pool_blocks
@@ -130,6 +132,17 @@ class Worker:
         if isinstance(result, ModelRunnerOutput) and not self.runner.is_driver:
             return None  # only the driver's output is read
         return result
+
+    def read_kv(self, block_ids: list[int]) -> np.ndarray:
+        """These blocks' KV on this shard (the KV connector's export; kv_connector/blocks.py)."""
+        return gather_blocks(self.runner.kv_caches, block_ids)
+
+    def write_kv(self, block_ids: list[int], data: np.ndarray, positions: list[int]) -> int:
+        """Another engine's blocks `positions` of `data` (read_kv's array from the same shard
+        there) into block_ids here; returns the bytes written."""
+        part = data[:, :, positions]
+        scatter_blocks(self.runner.kv_caches, block_ids, part)
+        return part.nbytes
 
     def weight_bytes(self) -> int:
         """Bytes of this shard's weights as stored (what a decode step streams)."""

@@ -11,6 +11,7 @@ from typing import Any
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "DisaggregatedLLM",
     "InProcessClient",
     "EngineClient",
     "TokensPrompt",
@@ -24,6 +25,7 @@ __all__ = [
 _EXPORTS = {
     "LLM": "cadenza.actors.llm",
     "AsyncLLM": "cadenza.actors.async_llm",
+    "DisaggregatedLLM": "cadenza.actors.disaggregated",
     "InProcessClient": "cadenza.actors.inprocess_client",
     "EngineClient": "cadenza.engine_client",
     "TokensPrompt": "cadenza.engine_client",

@@ -36,6 +36,10 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # The conversation this request is a turn of: its prefix blocks are pinned after it
     # finishes, for the engine's session_pin_ttl_s (actors/session_pins.py).
     session_id: str | None = None
+    # Outputs already sampled elsewhere (a prefill engine's first token): the request resumes
+    # after them as a preempted one would, so max_tokens, penalties and seeded draws (keyed by
+    # output position) go on exactly where they left off.
+    output_token_ids: list[int] = []
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):

@@ -90,6 +90,19 @@ class EngineStats(msgspec.Struct):
     step_tokens: StepTokenStats | None = None  # tokens per step (None: an engine that does not count)
 
 
+class KVTransferStats(msgspec.Struct):
+    """Hand-overs since start: blocks written on decode engines, blocks they already held,
+    bytes written, seconds from export to import done, and hand-overs that fell back to
+    recomputing the prompt on the decode engine."""
+
+    num_handoffs: int = 0
+    num_blocks_imported: int = 0
+    num_blocks_skipped: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_fallbacks: int = 0
+
+
 class ServingStats(msgspec.Struct, kw_only=True):
     """What an engine client's stats() answers: the engine's own, and how it runs."""
 
@@ -104,3 +117,7 @@ class ServingStats(msgspec.Struct, kw_only=True):
     # "in_process" (the caller's process, no Ray).
     executor: str = "ray"
     num_engine_restarts: int = 0  # engine actors AsyncLLM replaced after they died
+    # Prefill/decode disaggregation (actors/disaggregated.py): the KV hand-overs, and each
+    # engine's own stats by role ("prefill" / "decode"); None and empty otherwise.
+    kv_transfer: KVTransferStats | None = None
+    roles: list[tuple[str, ServingStats]] = []

@@ -17,9 +17,10 @@ CITY = {
     "properties": {
         "name": {"type": "string", "maxLength": 40},
         "country": {"type": "string", "maxLength": 40},
-        "population_millions": {"type": "number"},
+        # An integer with bounds: a free "number" lets a model write digits until max_tokens.
+        "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000},
     },
-    "required": ["name", "country", "population_millions"],
+    "required": ["name", "country", "population"],
     "additionalProperties": False,
 }
 
@@ -30,8 +31,11 @@ def main() -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "Describe Paris as JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
-        max_tokens=96,
+        max_tokens=160,
+        temperature=0,
     )
+    if reply.choices[0].finish_reason == "length":
+        raise SystemExit("the reply hit max_tokens before its JSON closed; raise max_tokens")
     city = json.loads(reply.choices[0].message.content)
     print(json.dumps(city, indent=2))
 

@@ -33,6 +33,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or text) in place of the model's")
     add_ignored_flags(p)
     p.add_argument(
+        "--disaggregation",
+        default=None,
+        help="prefill/decode disaggregation: NPMD, N prefill and M decode engines (e.g. 1P1D); default: one engine",
+    )
+    p.add_argument(
         "--in-process",
         action="store_true",
         help="step the engine in the server's own process, without Ray (one worker: TP = PP = 1)",
@@ -83,6 +88,14 @@ def _engine_client(args: argparse.Namespace) -> EngineClient:
         from cadenza.actors.inprocess_client import InProcessClient
 
         return InProcessClient(args.model, **kwargs)
+    if args.disaggregation:
+        if args.in_process:
+            raise ValueError("--disaggregation runs engines as Ray actors: not with --in-process")
+        from cadenza.actors.disaggregated import DisaggregatedLLM
+
+        llm = DisaggregatedLLM(args.model, args.disaggregation, ray_address=args.ray_address, **kwargs)
+        print(f"cadenza: {args.disaggregation} engines on {llm.ray_instance}", flush=True)
+        return llm
     from cadenza.actors.async_llm import AsyncLLM
 
     llm = AsyncLLM(args.model, ray_address=args.ray_address, **kwargs)

@@ -37,7 +37,7 @@ def test_tool_call(server: Server) -> None:
 
 def test_json_schema(server: Server) -> None:
     city = json.loads(_run([sys.executable, "json_schema.py"], _against(server)))
-    assert set(city) == {"name", "country", "population_millions"}
+    assert set(city) == {"name", "country", "population"}
 
 
 def test_curl(server: Server) -> None:

@@ -1,0 +1,207 @@
+"""Prefill/decode disaggregation: N prefill engines and M decode engines (each an AsyncLLM: its
+own engine actor and workers) served as one EngineClient.
+
+A request is prefilled on the least-loaded prefill engine, which samples its first token (the
+client gets it at once); the prefill engine's cached blocks of the prompt then go to a decode
+engine through the KV connector (actors/kv_connector/: the hash chain, bytes in Ray's object
+store, blocks the decode engine already caches skipped), and the request resumes there after
+its first token (EngineRequest.output_token_ids: max_tokens, penalties and seeded draws carry
+on as if it had never moved), computing only the prompt's last partial block and that token.
+A handoff that fails is a recompute on the decode engine, for that request alone. The decode
+engine is the one already holding the conversation (session affinity), else the least loaded.
+Speculation runs on the decode engines only. Requests that would gain nothing (n > 1, prompt
+logprobs, a one-token answer) run whole on a decode engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from cadenza.actors.async_llm import AsyncLLM
+from cadenza.actors.prompts import tokenize
+from cadenza.config import DEFAULT_MODEL
+from cadenza.engine_client import Prompt
+from cadenza.errors import EngineDeadError
+from cadenza.outputs import RequestOutput
+from cadenza.sampling_params import SamplingParams
+from cadenza.stats import KVTransferStats, ServingStats
+
+log = logging.getLogger(__name__)
+# Sessions whose decode engine is remembered (least recently used forgotten first).
+MAX_SESSIONS = 65536
+
+
+def parse_disaggregation(spec: str) -> tuple[int, int]:
+    """ "1P1D" -> (1, 1): prefill and decode engine counts."""
+    match = re.fullmatch(r"(\d+)P(\d+)D", spec.strip().upper())
+    if match is None or min(int(match[1]), int(match[2])) < 1:
+        raise ValueError(f"disaggregation must look like 1P1D or 2P3D (engines of each role, >= 1), got {spec!r}")
+    return int(match[1]), int(match[2])
+
+
+class DisaggregatedLLM:
+    """disaggregation: "NPMD". Engine arguments are AsyncLLM's, for every engine (the same
+    model, block size, TP and PP on both sides, so blocks and shards match);
+    speculative_config applies to the decode engines only. Prefix caching is on (the hand-over
+    is a prefix-cache import)."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        disaggregation: str = "1P1D",
+        dtype: str = "auto",
+        seed: int = 0,
+        ray_address: str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        num_prefill, num_decode = parse_disaggregation(disaggregation)
+        if engine_args.get("enable_prefix_caching") is False:
+            raise ValueError("disaggregation hands KV over through the prefix cache: leave prefix caching on")
+        prefill_args = {k: v for k, v in engine_args.items() if k != "speculative_config"}
+        self.prefill = [AsyncLLM(model, dtype, seed, ray_address, **prefill_args) for _ in range(num_prefill)]
+        self.decode = [AsyncLLM(model, dtype, seed, ray_address, **engine_args) for _ in range(num_decode)]
+        first = self.decode[0]
+        self.config, self.tokenizer, self.max_model_len = first.config, first.tokenizer, first.max_model_len
+        self.request_limits, self.sampling_defaults = first.request_limits, first.sampling_defaults
+        self.ray_instance = first.ray_instance
+        self.transfer = KVTransferStats()
+        self._load: dict[int, int] = {}  # id(engine) -> legs in flight
+        self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> decode engine index
+        self._legs: dict[str, list[tuple[AsyncLLM, str]]] = {}  # request id -> its legs
+        self._ids = 0
+
+    @property
+    def speculative(self) -> bool:
+        return self.decode[0].speculative
+
+    def get_tokenizer(self) -> Any:  # noqa: ANN401 - the engines' Tokenizer
+        return self.decode[0].get_tokenizer()
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        pace: bool = False,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        text, ids = tokenize(self.tokenizer, prompt)
+        self._ids += 1
+        rid = request_id if request_id is not None else f"pd-{self._ids}"
+        tokens = {"prompt_token_ids": ids, "prompt": text}
+        decode = self._decode_for(session_id)
+        whole = params.n != 1 or params.prompt_logprobs is not None or params.max_tokens == 1
+        self._legs[rid] = []
+        try:
+            if whole:
+                async for out in self._leg(decode, rid, "#d", tokens, params, priority, pace, cache_salt, session_id):
+                    yield out
+                return
+            first: list[int] = []
+            prefill = min(self.prefill, key=lambda e: self._load.get(id(e), 0))
+            async for out in self._prefill(prefill, rid, tokens, params, priority, cache_salt, first):
+                yield out
+                if out.finished:
+                    return
+            await self._hand_over(prefill, ids, cache_salt, decode)
+            leg = self._leg(decode, rid, "#d", tokens, params, priority, pace, cache_salt, session_id, first)
+            async for out in leg:
+                yield out
+        finally:
+            self._legs.pop(rid, None)
+
+    async def _prefill(
+        self, engine: AsyncLLM, rid: str, tokens: dict, params: SamplingParams, priority: int,
+        cache_salt: str | None, first: list[int],
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """The first token, sampled on the prefill engine (the least loaded); its artificial
+        length stop is not the request's."""
+        one = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        async for out in self._leg(engine, rid, "#p", tokens, one, priority, False, cache_salt, None):
+            completion = out.outputs[0]
+            first += completion.token_ids
+            if out.finished and completion.finish_reason == "length":
+                completion.finish_reason, out.finished = None, False
+            yield out
+
+    async def _hand_over(self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, decode: AsyncLLM) -> None:
+        """The prompt's blocks from the prefill engine that computed them to `decode`; a
+        failure leaves the decode engine to recompute them."""
+        start = time.monotonic()
+        try:
+            handoff, refs = await prefill.export_kv(ids, cache_salt)
+            if handoff.block_hashes:
+                done = await decode.import_kv(handoff, refs)
+                self.transfer.num_blocks_imported += done.num_imported
+                self.transfer.num_blocks_skipped += done.num_skipped
+                self.transfer.num_bytes += done.num_bytes
+            self.transfer.num_handoffs += 1
+        except Exception as e:  # the request goes on: the decode engine recomputes the prompt
+            self.transfer.num_fallbacks += 1
+            log.warning("KV hand-over failed, recomputing on the decode engine: %s: %s", type(e).__name__, e)
+        self.transfer.seconds += time.monotonic() - start
+
+    async def _leg(
+        self, engine: AsyncLLM, rid: str, suffix: str, tokens: dict, params: SamplingParams, priority: int,
+        pace: bool, cache_salt: str | None, session_id: str | None, resume_from: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """One engine's part of a request, its outputs under the request's own id."""
+        leg_id = rid + suffix
+        self._legs[rid].append((engine, leg_id))
+        self._load[id(engine)] = self._load.get(id(engine), 0) + 1
+        try:
+            stream = engine.generate(tokens, params, leg_id, priority, pace, cache_salt, session_id, resume_from)
+            async for out in stream:
+                out.request_id = rid
+                yield out
+        finally:
+            self._load[id(engine)] -= 1
+
+    def _decode_for(self, session_id: str | None) -> AsyncLLM:
+        """The session's decode engine (its KV is there), else the least loaded."""
+        if session_id is not None and (index := self._sessions.get(session_id)) is not None:
+            self._sessions.move_to_end(session_id)
+            return self.decode[index]
+        index = min(range(len(self.decode)), key=lambda i: self._load.get(id(self.decode[i]), 0))
+        if session_id is not None:
+            self._sessions[session_id] = index
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        return self.decode[index]
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.gather(*(engine.abort(leg) for engine, leg in self._legs.get(request_id, [])))
+
+    async def stats(self) -> ServingStats:
+        """The decode engines' first, with every engine's requests counted and the hand-overs
+        (`kv_transfer`) and each engine's own stats by role (`roles`)."""
+        prefill = await asyncio.gather(*(e.stats() for e in self.prefill))
+        decode = await asyncio.gather(*(e.stats() for e in self.decode))
+        merged = msgspec.structs.replace(decode[0], engine=msgspec.structs.replace(decode[0].engine))
+        merged.engine.num_running = sum(s.engine.num_running for s in (*prefill, *decode))
+        merged.engine.num_waiting = sum(s.engine.num_waiting for s in (*prefill, *decode))
+        merged.kv_transfer = msgspec.structs.replace(self.transfer)
+        merged.roles = [("prefill", s) for s in prefill] + [("decode", s) for s in decode]
+        return merged
+
+    async def check_health(self) -> None:
+        """Serving while some engine of each role is."""
+        for role, engines in (("prefill", self.prefill), ("decode", self.decode)):
+            problems = await asyncio.gather(*(e.check_health() for e in engines), return_exceptions=True)
+            if all(isinstance(p, BaseException) for p in problems):
+                raise EngineDeadError(f"no {role} engine can serve: {problems[0]}")
+
+    def shutdown(self) -> None:
+        for engine in (*self.prefill, *self.decode):
+            engine.shutdown()

@@ -1,0 +1,76 @@
+"""An engine's side of the KV connector: export the cached blocks of a prompt's prefix, import
+another engine's into this pool's prefix cache. Blocks move by the prefix cache's hash chain
+(kv_cache_manager.hash_block), so an import files each block where the scheduler's lookup for
+the same tokens (and cache salt) finds it: the request that follows computes only the rest.
+Exported blocks are held (a reference each) while their bytes are read, so no eviction can
+reuse them mid-read; imported ones are held while written, then filed as cached and free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cadenza.actors.block_pool import KVBlock
+from cadenza.actors.kv_cache_manager import KVCacheManager, hash_block
+from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport
+
+
+def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+    """The chain of hashes of token_ids' full blocks, as the scheduler keys them."""
+    extra = (cache_salt,) if cache_salt else ()
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(hashes[-1] if hashes else None, block, extra))
+    return hashes
+
+
+class EnginePort:
+    def __init__(self, kv: KVCacheManager, executor: Any) -> None:  # noqa: ANN401 - a WorkerExecutor with read_kv / write_kv
+        self.kv, self.executor = kv, executor
+        self.exported_blocks = self.imported_blocks = self.skipped_blocks = 0
+        self.bytes_in = 0  # counted where written: an exporter's arrays may never be fetched
+
+    async def export(self, token_ids: list[int], cache_salt: str | None) -> tuple[KVHandoff, list[Any]]:
+        """The leading run of token_ids' full blocks this pool caches, and their bytes (one
+        object-store reference per worker)."""
+        pool, size = self.kv.pool, self.kv.block_size
+        blocks: list[KVBlock] = []
+        hashes = prefix_hashes(token_ids, size, cache_salt)
+        for block_hash in hashes:
+            if (block := pool.lookup(block_hash)) is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            return KVHandoff(block_hashes=[], block_size=size), []
+        pool.touch(blocks)
+        try:
+            refs = await self.executor.read_kv([b.block_id for b in blocks])
+        finally:
+            pool.release(blocks[::-1])
+        self.exported_blocks += len(blocks)
+        return KVHandoff(block_hashes=hashes[: len(blocks)], block_size=size), refs
+
+    async def import_(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
+        """File the handoff's blocks this pool lacks (those it holds are skipped), as far as
+        free blocks allow; what is not imported is simply recomputed by the request."""
+        pool = self.kv.pool
+        if handoff.block_size != self.kv.block_size:
+            raise ValueError(f"block_size {handoff.block_size} != this engine's {self.kv.block_size}")
+        found = [pool.lookup(h) for h in handoff.block_hashes]
+        held = [b for b in found if b is not None]
+        pool.touch(held)  # so allocating below cannot evict a block this handoff would skip
+        missing = [i for i, b in enumerate(found) if b is None][: pool.num_free_blocks]
+        blocks = pool.allocate(len(missing))
+        try:
+            num_bytes = 0
+            if blocks:
+                num_bytes = await self.executor.write_kv([b.block_id for b in blocks], refs, missing)
+            for i, block in zip(missing, blocks, strict=True):
+                pool.cache(block, handoff.block_hashes[i])
+        finally:
+            pool.release([*blocks, *held][::-1])
+        skipped = len(held)
+        self.imported_blocks += len(blocks)
+        self.skipped_blocks += skipped
+        self.bytes_in += num_bytes
+        return KVImport(num_imported=len(blocks), num_skipped=skipped, num_bytes=num_bytes)

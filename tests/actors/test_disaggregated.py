@@ -1,0 +1,90 @@
+"""Prefill/decode disaggregation (1P1D): a request prefilled on one engine, its prompt's KV
+handed to another through the KV connector, decoded there, gives the colocated engine's tokens
+exactly: greedy (with n-gram speculation on the decode side), a prompt over one prefill chunk,
+a seeded sampled request; a repeated prompt's blocks are skipped (the decode engine holds
+them), a failed hand-over recomputes, and no engine leaks a block."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from cadenza import AsyncLLM, DisaggregatedLLM, SamplingParams
+from cadenza.actors.disaggregated import parse_disaggregation
+
+NUM_BLOCKS = 128
+ENGINE = dict(num_blocks=NUM_BLOCKS, max_num_batched_tokens=48)  # a 100-token prompt takes 3 chunks
+PROMPTS = [list(range(5, 45)), list(range(100, 200)), [7] * 12]  # 2.5 blocks, 6.25 blocks, < 1 block
+
+
+async def _run(llm, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, str | None]:  # noqa: ANN001
+    ids, text, reason = [], "", None
+    async for out in llm.generate({"prompt_token_ids": prompt}, params):
+        ids += out.outputs[0].token_ids
+        text += out.outputs[0].text
+        reason = out.outputs[0].finish_reason or reason
+    return ids, text, reason
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncLLM, DisaggregatedLLM]]:  # noqa: ANN001
+    from cadenza_testkit.tiny_models import build_tiny_chat_model
+
+    tiny_chat_path = build_tiny_chat_model(tmp_path_factory.mktemp("pd"))
+    colocated = AsyncLLM(str(tiny_chat_path), **ENGINE)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    split = DisaggregatedLLM(str(tiny_chat_path), "1P1D", speculative_config=spec, **ENGINE)
+    yield colocated, split
+    colocated.shutdown()
+    split.shutdown()
+
+
+@pytest.mark.slow
+def test_1p1d_gives_the_colocated_tokens(engines) -> None:  # noqa: ANN001
+    colocated, split = engines
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+
+    async def run() -> None:
+        for prompt in PROMPTS:
+            for params in (greedy, seeded):
+                assert await _run(split, prompt, params) == await _run(colocated, prompt, params), (prompt, params)
+
+    asyncio.run(run())
+    stats = asyncio.run(split.stats())
+    moved = stats.kv_transfer
+    assert moved.num_handoffs == 6 and moved.num_fallbacks == 0
+    # The first greedy run of each prompt moves its full blocks (2 + 6); the seeded rerun finds them held.
+    assert moved.num_blocks_imported == 8 and moved.num_blocks_skipped == 8 and moved.num_bytes > 0
+    assert [role for role, _ in stats.roles] == ["prefill", "decode"]
+    decode = dict(stats.roles)["decode"]
+    assert decode.engine.kv_cache.hits >= 8 * 16  # the imported blocks served the decode-side prompts
+    assert decode.engine.spec_decode is not None and decode.engine.spec_decode.num_drafts > 0  # speculation there
+
+
+@pytest.mark.slow
+def test_a_failed_hand_over_recomputes_and_no_block_leaks(engines, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    colocated, split = engines
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def broken(*_: object) -> None:
+        raise ConnectionError("the object store lost it")
+
+    monkeypatch.setattr(split.decode[0], "import_kv", broken)
+    before = asyncio.run(split.stats()).kv_transfer.num_fallbacks
+    prompt = list(range(300, 340))
+    assert asyncio.run(_run(split, prompt, greedy)) == asyncio.run(_run(colocated, prompt, greedy))
+    stats = asyncio.run(split.stats())
+    assert stats.kv_transfer.num_fallbacks == before + 1
+    for _, engine in stats.roles:
+        assert engine.engine.num_running == engine.engine.num_waiting == 0
+        assert engine.engine.kv_cache.num_free_blocks == NUM_BLOCKS
+
+
+def test_the_role_counts_are_checked() -> None:
+    assert parse_disaggregation("2p3d") == (2, 3)
+    for bad in ("1P", "0P1D", "P1D", "1D1P"):
+        with pytest.raises(ValueError, match="disaggregation must look like 1P1D"):
+            parse_disaggregation(bad)
