@@ -7,7 +7,11 @@ engine through the KV connector (actors/kv_connector/: the hash chain, bytes in 
 store, blocks the decode engine already caches skipped), and the request resumes there after
 its first token (EngineRequest.output_token_ids: max_tokens, penalties and seeded draws carry
 on as if it had never moved), computing only the prompt's last partial block and that token.
-A handoff that fails is a recompute on the decode engine, for that request alone. The decode
+A handoff that fails is a recompute on the decode engine, for that request alone, and so is a
+prefill engine that dies under a request: the decode engine computes the prompt and goes on
+after whatever tokens were already streamed (none lost, none repeated). A decode engine that
+dies fails its requests with its error (AsyncLLM restarts it, max_engine_restarts); the other
+engines go on. The decode
 engine is the one already holding the conversation (session affinity), else the least loaded.
 Speculation runs on the decode engines only. Requests that would gain nothing (n > 1, prompt
 logprobs, a one-token answer) run whole on a decode engine.
@@ -29,7 +33,7 @@ from cadenza.actors.async_llm import AsyncLLM
 from cadenza.actors.prompts import tokenize
 from cadenza.config import DEFAULT_MODEL
 from cadenza.engine_client import Prompt
-from cadenza.errors import EngineDeadError
+from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.outputs import RequestOutput
 from cadenza.sampling_params import SamplingParams
 from cadenza.stats import KVTransferStats, ServingStats
@@ -109,17 +113,28 @@ class DisaggregatedLLM:
                     yield out
                 return
             first: list[int] = []
-            prefill = min(self.prefill, key=lambda e: self._load.get(id(e), 0))
-            async for out in self._prefill(prefill, rid, tokens, params, priority, cache_salt, first):
-                yield out
-                if out.finished:
-                    return
-            await self._hand_over(prefill, ids, cache_salt, decode)
+            prefill = self._prefill_engine()
+            try:
+                if prefill.dead:  # every prefill engine is gone: the decode engine computes it all
+                    raise EngineDeadError("no prefill engine is serving")
+                async for out in self._prefill(prefill, rid, tokens, params, priority, cache_salt, first):
+                    yield out
+                    if out.finished:
+                        return
+                await self._hand_over(prefill, ids, cache_salt, decode)
+            except (EngineDeadError, RequestFailedError) as e:  # the prefill engine died under it
+                self.transfer.num_prefill_failures += 1
+                log.warning("prefill engine lost (%s); the decode engine computes the prompt", e)
             leg = self._leg(decode, rid, "#d", tokens, params, priority, pace, cache_salt, session_id, first)
             async for out in leg:
                 yield out
         finally:
             self._legs.pop(rid, None)
+
+    def _prefill_engine(self) -> AsyncLLM:
+        """The least-loaded prefill engine that is not known dead."""
+        alive = [e for e in self.prefill if not e.dead] or self.prefill
+        return min(alive, key=lambda e: self._load.get(id(e), 0))
 
     async def _prefill(
         self, engine: AsyncLLM, rid: str, tokens: dict, params: SamplingParams, priority: int,
@@ -184,23 +199,27 @@ class DisaggregatedLLM:
         await asyncio.gather(*(engine.abort(leg) for engine, leg in self._legs.get(request_id, [])))
 
     async def stats(self) -> ServingStats:
-        """The decode engines' first, with every engine's requests counted and the hand-overs
-        (`kv_transfer`) and each engine's own stats by role (`roles`)."""
-        prefill = await asyncio.gather(*(e.stats() for e in self.prefill))
-        decode = await asyncio.gather(*(e.stats() for e in self.decode))
+        """The first live decode engine's, with every live engine's requests counted, the
+        hand-overs (`kv_transfer`) and each live engine's own stats by role (`roles`)."""
+        roles = [("prefill", e) for e in self.prefill] + [("decode", e) for e in self.decode]
+        answers = await asyncio.gather(*(e.stats() for _, e in roles), return_exceptions=True)
+        live = [(role, a) for (role, _), a in zip(roles, answers, strict=True) if isinstance(a, ServingStats)]
+        decode = [a for role, a in live if role == "decode"]
+        if not decode:
+            raise EngineDeadError("no decode engine is serving")
         merged = msgspec.structs.replace(decode[0], engine=msgspec.structs.replace(decode[0].engine))
-        merged.engine.num_running = sum(s.engine.num_running for s in (*prefill, *decode))
-        merged.engine.num_waiting = sum(s.engine.num_waiting for s in (*prefill, *decode))
+        merged.engine.num_running = sum(a.engine.num_running for _, a in live)
+        merged.engine.num_waiting = sum(a.engine.num_waiting for _, a in live)
         merged.kv_transfer = msgspec.structs.replace(self.transfer)
-        merged.roles = [("prefill", s) for s in prefill] + [("decode", s) for s in decode]
+        merged.roles = live
         return merged
 
     async def check_health(self) -> None:
-        """Serving while some engine of each role is."""
-        for role, engines in (("prefill", self.prefill), ("decode", self.decode)):
-            problems = await asyncio.gather(*(e.check_health() for e in engines), return_exceptions=True)
-            if all(isinstance(p, BaseException) for p in problems):
-                raise EngineDeadError(f"no {role} engine can serve: {problems[0]}")
+        """Serving while a decode engine is: without prefill engines the decode engines compute
+        prompts themselves (slower, still correct)."""
+        problems = await asyncio.gather(*(e.check_health() for e in self.decode), return_exceptions=True)
+        if all(isinstance(p, BaseException) for p in problems):
+            raise EngineDeadError(f"no decode engine can serve: {problems[0]}")
 
     def shutdown(self) -> None:
         for engine in (*self.prefill, *self.decode):

@@ -48,6 +48,11 @@ class StreamingClient:
         self.recorder: TimelineRecorder | None = None
 
     @property
+    def dead(self) -> bool:
+        """The engine is gone for good (its restarts spent, or shut down)."""
+        return self._dead is not None
+
+    @property
     def speculative(self) -> bool:
         return self.config.speculative_config is not None
 

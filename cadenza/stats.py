@@ -92,8 +92,8 @@ class EngineStats(msgspec.Struct):
 
 class KVTransferStats(msgspec.Struct):
     """Hand-overs since start: blocks written on decode engines, blocks they already held,
-    bytes written, seconds from export to import done, and hand-overs that fell back to
-    recomputing the prompt on the decode engine."""
+    bytes written, seconds from export to import done, hand-overs that fell back to
+    recomputing the prompt on the decode engine, and requests whose prefill engine died."""
 
     num_handoffs: int = 0
     num_blocks_imported: int = 0
@@ -101,6 +101,7 @@ class KVTransferStats(msgspec.Struct):
     num_bytes: int = 0
     seconds: float = 0.0
     num_fallbacks: int = 0
+    num_prefill_failures: int = 0  # requests whose prefill engine died: computed on the decode engine
 
 
 class ServingStats(msgspec.Struct, kw_only=True):

@@ -19,9 +19,9 @@ ENGINE = dict(num_blocks=NUM_BLOCKS, max_num_batched_tokens=48)  # a 100-token p
 PROMPTS = [list(range(5, 45)), list(range(100, 200)), [7] * 12]  # 2.5 blocks, 6.25 blocks, < 1 block
 
 
-async def _run(llm, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, str | None]:  # noqa: ANN001
+async def _run(llm, prompt: list[int], params: SamplingParams, **kw: str) -> tuple[list[int], str, str | None]:  # noqa: ANN001
     ids, text, reason = [], "", None
-    async for out in llm.generate({"prompt_token_ids": prompt}, params):
+    async for out in llm.generate({"prompt_token_ids": prompt}, params, **kw):
         ids += out.outputs[0].token_ids
         text += out.outputs[0].text
         reason = out.outputs[0].finish_reason or reason
@@ -35,22 +35,23 @@ def engines(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     tiny_chat_path = build_tiny_chat_model(tmp_path_factory.mktemp("pd"))
     colocated = AsyncLLM(str(tiny_chat_path), **ENGINE)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    split = DisaggregatedLLM(str(tiny_chat_path), "1P1D", speculative_config=spec, **ENGINE)
+    split = DisaggregatedLLM(str(tiny_chat_path), "1P2D", speculative_config=spec, max_engine_restarts=0, **ENGINE)
     yield colocated, split
     colocated.shutdown()
     split.shutdown()
 
 
 @pytest.mark.slow
-def test_1p1d_gives_the_colocated_tokens(engines) -> None:  # noqa: ANN001
+def test_1p2d_gives_the_colocated_tokens(engines) -> None:  # noqa: ANN001
     colocated, split = engines
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
 
     async def run() -> None:
         for prompt in PROMPTS:
-            for params in (greedy, seeded):
-                assert await _run(split, prompt, params) == await _run(colocated, prompt, params), (prompt, params)
+            for params in (greedy, seeded):  # one session: both on the decode engine that holds it
+                got = await _run(split, prompt, params, session_id=str(prompt[0]))
+                assert got == await _run(colocated, prompt, params), (prompt, params)
 
     asyncio.run(run())
     stats = asyncio.run(split.stats())
@@ -58,10 +59,11 @@ def test_1p1d_gives_the_colocated_tokens(engines) -> None:  # noqa: ANN001
     assert moved.num_handoffs == 6 and moved.num_fallbacks == 0
     # The first greedy run of each prompt moves its full blocks (2 + 6); the seeded rerun finds them held.
     assert moved.num_blocks_imported == 8 and moved.num_blocks_skipped == 8 and moved.num_bytes > 0
-    assert [role for role, _ in stats.roles] == ["prefill", "decode"]
-    decode = dict(stats.roles)["decode"]
-    assert decode.engine.kv_cache.hits >= 8 * 16  # the imported blocks served the decode-side prompts
-    assert decode.engine.spec_decode is not None and decode.engine.spec_decode.num_drafts > 0  # speculation there
+    assert [role for role, _ in stats.roles] == ["prefill", "decode", "decode"]
+    decode = [s.engine for role, s in stats.roles if role == "decode"]
+    assert sum(d.kv_cache.hits for d in decode) >= 8 * 16  # the imported blocks served the decode-side prompts
+    assert all(d.spec_decode is not None for d in decode)  # speculation there, not on the prefill engine
+    assert sum(d.spec_decode.num_drafts for d in decode) > 0 and stats.roles[0][1].engine.spec_decode is None
 
 
 @pytest.mark.slow
@@ -80,7 +82,8 @@ def test_a_failed_hand_over_recomputes_and_no_block_leaks(engines, monkeypatch: 
     assert stats.kv_transfer.num_fallbacks == before + 1
     for _, engine in stats.roles:
         assert engine.engine.num_running == engine.engine.num_waiting == 0
-        assert engine.engine.kv_cache.num_free_blocks == NUM_BLOCKS
+        # Free, or held for the first test's sessions (pins): no request holds any.
+        assert engine.engine.kv_cache.num_free_blocks + engine.engine.num_pinned_blocks == NUM_BLOCKS
 
 
 def test_the_role_counts_are_checked() -> None:
@@ -88,3 +91,45 @@ def test_the_role_counts_are_checked() -> None:
     for bad in ("1P", "0P1D", "P1D", "1D1P"):
         with pytest.raises(ValueError, match="disaggregation must look like 1P1D"):
             parse_disaggregation(bad)
+
+
+@pytest.mark.slow
+def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> None:  # noqa: ANN001
+    """Last: it kills the module's prefill engine. Requests then compute their prompt on a decode
+    engine, tokens equal, none lost; health holds while a decode engine serves. (A decode
+    engine's death fails its requests with EngineDeadError, as AsyncLLM's tests show.)"""
+    import ray
+
+    colocated, split = engines
+    ray.kill(split.prefill[0].engine)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(400, 450))
+    assert asyncio.run(_run(split, prompt, greedy)) == asyncio.run(_run(colocated, prompt, greedy))
+    assert asyncio.run(_run(split, prompt, greedy)) == asyncio.run(_run(colocated, prompt, greedy))
+    stats = asyncio.run(split.stats())
+    assert [role for role, _ in stats.roles] == ["decode", "decode"]  # /stats: the live engines
+    assert stats.kv_transfer.num_prefill_failures == 2 and stats.engine.num_running == 0
+    asyncio.run(split.check_health())  # still serving: the decode engines compute prompts
+
+
+@pytest.mark.slow
+def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> None:  # noqa: ANN001
+    """Each TP rank's shard of a block goes to the same rank on the other side (worker actors,
+    the object store between them)."""
+    from cadenza_testkit.tiny_models import build_tiny_chat_model
+
+    path = str(build_tiny_chat_model(tmp_path_factory.mktemp("pd_tp2")))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(20, 90))
+    single = AsyncLLM(path, **ENGINE)
+    try:
+        expected = asyncio.run(_run(single, prompt, greedy))
+    finally:
+        single.shutdown()
+    split = DisaggregatedLLM(path, "1P1D", tensor_parallel_size=2, **ENGINE)
+    try:
+        assert asyncio.run(_run(split, prompt, greedy)) == expected
+        moved = asyncio.run(split.stats()).kv_transfer
+        assert moved.num_blocks_imported == 4 and moved.num_fallbacks == 0  # 70 tokens: 4 full blocks
+    finally:
+        split.shutdown()
