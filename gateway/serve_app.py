@@ -29,6 +29,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cadenza.actors.async_llm import AsyncLLM
+from cadenza.actors.disaggregated import DisaggregatedLLM, parse_disaggregation
 from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
 from cadenza.gateway.replica_metrics import MetricsBoard, board_name
@@ -44,14 +45,21 @@ SESSION_ROUTER = RequestRouterConfig(request_router_class="cadenza.gateway.serve
 @serve.ingress()
 class CadenzaDeployment:
     def __init__(
-        self, model: str, served_model_name: str | None, engine: dict[str, Any], gateway: dict[str, Any]
+        self,
+        model: str,
+        served_model_name: str | None,
+        engine: dict[str, Any],
+        gateway: dict[str, Any],
+        disaggregation: str | None = None,
     ) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.app_name = context.app_name
         self.model_name = served_model_name or model
         self.settings = GatewaySettings(**gateway_with_env_key(gateway))
-        self.engine = AsyncLLM(model, **engine)
+        # With disaggregation ("1P1D", ...) the replica's engine is that many prefill and decode
+        # engines (actors/disaggregated.py), served as one.
+        self.engine = DisaggregatedLLM(model, disaggregation, **engine) if disaggregation else AsyncLLM(model, **engine)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         # The Host check is on only where gateway.allowed_hosts names the hosts: clients reach
@@ -107,14 +115,19 @@ class _ReplicaHeader:
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve app builder (`import_path: cadenza.gateway.serve_app:build_app`); `args` from the
     YAML: model, served_model_name, engine (EngineConfig fields), gateway (GatewaySettings
-    fields, host/port excepted: Serve's proxy listens)."""
-    known = {"model", "served_model_name", "engine", "gateway"}
+    fields, host/port excepted: Serve's proxy listens), disaggregation ("1P1D": each replica
+    runs that many prefill and decode engines; deploy/serve_config_pd.yaml)."""
+    known = {"model", "served_model_name", "engine", "gateway", "disaggregation"}
     if unknown := set(args) - known:
         raise ValueError(f"unknown Cadenza app args {sorted(unknown)}; expected {sorted(known)}")
     gateway = dict(args.get("gateway") or {})
     fields = {f.name for f in dataclasses.fields(GatewaySettings)} - {"host", "port"}
     if bad := set(gateway) - fields:
         raise ValueError(f"unknown gateway settings {sorted(bad)}; expected some of {sorted(fields)}")
+    disaggregation = args.get("disaggregation")
+    if disaggregation:
+        parse_disaggregation(disaggregation)  # a bad spec fails the deploy, not each replica
     return CadenzaDeployment.options(request_router_config=SESSION_ROUTER).bind(
-        args.get("model", DEFAULT_MODEL), args.get("served_model_name"), dict(args.get("engine") or {}), gateway
-    )
+        args.get("model", DEFAULT_MODEL), args.get("served_model_name"), dict(args.get("engine") or {}), gateway,
+        disaggregation,
+    )  # fmt: skip

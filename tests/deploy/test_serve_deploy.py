@@ -184,3 +184,43 @@ def test_a_dead_engine_is_restarted_in_place_then_serve_replaces_the_replica(two
     for i in range(6):
         _, body = _get(two_replicas, {"x-session-id": f"after-{i}"})
         assert body["choices"][0]["message"]["content"] is not None
+
+
+def test_the_disaggregated_serve_config_validates_and_builds() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from cadenza.gateway.serve_app import build_app
+
+    config = yaml.safe_load((DEPLOY / "serve_config_pd.yaml").read_text())
+    (app,) = ServeDeploySchema.model_validate(config).applications
+    assert app.args["disaggregation"] == "1P1D"
+    build_app(app.args)  # the app builds: every arg known, the spec parses
+    with pytest.raises(ValueError, match="disaggregation must look like 1P1D"):
+        build_app({**app.args, "disaggregation": "1P"})
+
+
+@pytest.mark.slow
+def test_a_disaggregated_replica_serves_beside_the_others(two_replicas: str, tiny_chat_model: Path) -> None:
+    """One replica holding a prefill and a decode engine, as serve_config_pd.yaml deploys it."""
+    from ray import serve
+
+    from cadenza.gateway.serve_app import CadenzaDeployment
+
+    engine = {"num_blocks": 128}
+    app = CadenzaDeployment.options(name="CadenzaPD", num_replicas=1).bind(
+        str(tiny_chat_model), "tiny", engine, {}, "1P1D"
+    )
+    serve.run(app, name="cadenza-pd", route_prefix="/pd")
+    try:
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}], "max_tokens": 4})
+        request = urllib.request.Request(
+            two_replicas + "/pd/v1/chat/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+        with urllib.request.urlopen(two_replicas + "/pd/stats", timeout=60) as r:
+            stats = json.loads(r.read())["engine"]
+        assert [role for role, _ in stats["roles"]] == ["prefill", "decode"]
+        assert stats["kv_transfer"]["num_handoffs"] == 1 and stats["kv_transfer"]["num_blocks_imported"] > 0
+    finally:
+        serve.delete("cadenza-pd")
