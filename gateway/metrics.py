@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from cadenza.engine_client import EngineClient
 from cadenza.errors import EngineDeadError
-from cadenza.stats import ServingStats, SpecDecodeStats
+from cadenza.stats import KVTransferStats, ServingStats, SpecDecodeStats
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -153,6 +153,24 @@ class _EngineCollector:
             steps.add_metric(label, engine.step_tokens.cumulative(), sum_value=engine.step_tokens.total_tokens)
             yield steps
         yield from self._spec_decode(engine.spec_decode, label, p)
+        yield from self._kv_transfer(stats.kv_transfer, label, p)
+
+    def _kv_transfer(self, moved: KVTransferStats | None, label: list[str], p: str) -> Iterator[Metric]:
+        """Prefill/decode disaggregation's hand-overs; absent (not zero) without it."""
+        if moved is None:
+            return
+        for name, doc, value in (
+            (p + "kv_transfer_handoffs", "Prompts whose KV moved to a decode engine.", moved.num_handoffs),
+            (p + "kv_transfer_blocks_imported", "KV blocks written on decode engines.", moved.num_blocks_imported),
+            (p + "kv_transfer_blocks_skipped", "KV blocks decode engines already held.", moved.num_blocks_skipped),
+            (p + "kv_transfer_bytes", "KV bytes written on decode engines.", moved.num_bytes),
+            (p + "kv_transfer_seconds", "Time spent handing KV over.", moved.seconds),
+            (p + "kv_transfer_fallbacks", "Hand-overs that fell back to recomputing.", moved.num_fallbacks),
+            (p + "kv_transfer_prefill_failures", "Requests whose prefill engine died.", moved.num_prefill_failures),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(label, value)
+            yield counter
 
     def _spec_decode(self, spec: SpecDecodeStats | None, label: list[str], p: str) -> Iterator[Metric]:
         """Speculative decoding counters; absent (not zero) when the engine does not speculate."""

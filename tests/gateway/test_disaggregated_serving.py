@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import Iterator
 
 import openai
@@ -50,3 +51,7 @@ def test_sdk_stream_and_websocket_equal_one_engine(split: Server, smollm) -> Non
     moved = stats["kv_transfer"]
     assert moved["num_handoffs"] == 2 and moved["num_fallbacks"] == 0
     assert moved["num_blocks_imported"] > 0 and moved["num_blocks_skipped"] > 0  # the second ask found them
+    request = urllib.request.Request(split.http + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        metrics = r.read().decode()
+    assert "cadenza:kv_transfer_handoffs_total" in metrics and "cadenza:kv_transfer_blocks_imported_total" in metrics
