@@ -12,7 +12,9 @@ prefill engine that dies under a request: the decode engine computes the prompt 
 after whatever tokens were already streamed (none lost, none repeated). A decode engine that
 dies fails its requests with its error (AsyncLLM restarts it, max_engine_restarts); the other
 engines go on. The decode
-engine is the one already holding the conversation (session affinity), else the least loaded.
+engine is the one already holding the conversation (session affinity), else the one holding
+most of the prompt's leading blocks (prefix affinity, weighed against load), else the least
+loaded.
 Speculation runs on the decode engines only. Requests that would gain nothing (n > 1, prompt
 logprobs, a one-token answer) run whole on a decode engine.
 """
@@ -30,6 +32,7 @@ from typing import Any
 import msgspec
 
 from cadenza.actors.async_llm import AsyncLLM
+from cadenza.actors.kv_connector.engine_port import prefix_hashes
 from cadenza.actors.prompts import tokenize
 from cadenza.config import DEFAULT_MODEL
 from cadenza.engine_client import Prompt
@@ -41,6 +44,35 @@ from cadenza.stats import KVTransferStats, ServingStats
 log = logging.getLogger(__name__)
 # Sessions whose decode engine is remembered (least recently used forgotten first).
 MAX_SESSIONS = 65536
+# Block hashes remembered per decode engine for prefix affinity (least recently sent forgotten).
+MAX_HASHES_PER_ENGINE = 1 << 17
+# Prefix affinity yields to load: an engine holding the prefix is chosen unless it runs more
+# than this many requests beyond the least loaded.
+AFFINITY_SLACK = 4
+
+
+class HashIndex:
+    """The block hashes sent to one engine, bounded, least recently used forgotten: an
+    estimate of its prefix cache (the engine may have evicted some; then it recomputes)."""
+
+    def __init__(self, limit: int = MAX_HASHES_PER_ENGINE) -> None:
+        self.limit, self.hashes = limit, OrderedDict[bytes, None]()
+
+    def run(self, hashes: list[bytes]) -> int:
+        """How many of the chain's leading blocks it holds."""
+        count = 0
+        for h in hashes:
+            if h not in self.hashes:
+                break
+            count += 1
+        return count
+
+    def add(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.hashes[h] = None
+            self.hashes.move_to_end(h)
+        while len(self.hashes) > self.limit:
+            self.hashes.popitem(last=False)
 
 
 def parse_disaggregation(spec: str) -> tuple[int, int]:
@@ -49,6 +81,11 @@ def parse_disaggregation(spec: str) -> tuple[int, int]:
     if match is None or min(int(match[1]), int(match[2])) < 1:
         raise ValueError(f"disaggregation must look like 1P1D or 2P3D (engines of each role, >= 1), got {spec!r}")
     return int(match[1]), int(match[2])
+
+
+def _engine_lost(error: BaseException, engine: AsyncLLM) -> bool:
+    """Whether a leg failed because its engine died (not because of the request itself)."""
+    return isinstance(error, EngineDeadError) or engine.dead or "engine actor died" in str(error)
 
 
 class DisaggregatedLLM:
@@ -80,6 +117,9 @@ class DisaggregatedLLM:
         self._load: dict[int, int] = {}  # id(engine) -> legs in flight
         self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> decode engine index
         self._legs: dict[str, list[tuple[AsyncLLM, str]]] = {}  # request id -> its legs
+        # What each decode engine was last sent (block hashes): where a prompt's prefix likely is.
+        self._held = [HashIndex() for _ in self.decode]
+        self._turn = 0
         self._ids = 0
 
     @property
@@ -104,7 +144,7 @@ class DisaggregatedLLM:
         self._ids += 1
         rid = request_id if request_id is not None else f"pd-{self._ids}"
         tokens = {"prompt_token_ids": ids, "prompt": text}
-        decode = self._decode_for(session_id)
+        decode = self._decode_for(session_id, prefix_hashes(ids, self.config.block_size, cache_salt))
         whole = params.n != 1 or params.prompt_logprobs is not None or params.max_tokens == 1
         self._legs[rid] = []
         try:
@@ -125,8 +165,7 @@ class DisaggregatedLLM:
             except (EngineDeadError, RequestFailedError) as e:  # the prefill engine died under it
                 self.transfer.num_prefill_failures += 1
                 log.warning("prefill engine lost (%s); the decode engine computes the prompt", e)
-            leg = self._leg(decode, rid, "#d", tokens, params, priority, pace, cache_salt, session_id, first)
-            async for out in leg:
+            async for out in self._decode(decode, rid, tokens, params, priority, pace, cache_salt, session_id, first):
                 yield out
         finally:
             self._legs.pop(rid, None)
@@ -149,6 +188,32 @@ class DisaggregatedLLM:
             if out.finished and completion.finish_reason == "length":
                 completion.finish_reason, out.finished = None, False
             yield out
+
+    async def _decode(
+        self, engine: AsyncLLM, rid: str, tokens: dict, params: SamplingParams, priority: int, pace: bool,
+        cache_salt: str | None, session_id: str | None, emitted: list[int],
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """The rest of the request on a decode engine; if that engine dies under it, on another
+        live one, resumed after every token already streamed (it recomputes the prompt)."""
+        emitted = list(emitted)
+        while True:
+            try:
+                leg = self._leg(engine, rid, "#d", tokens, params, priority, pace, cache_salt, session_id, emitted)
+                async for out in leg:
+                    emitted += out.outputs[0].token_ids
+                    yield out
+                return
+            except (EngineDeadError, RequestFailedError) as e:
+                others = [d for d in self.decode if d is not engine and not d.dead]
+                if not others or not _engine_lost(e, engine):
+                    raise
+                self.transfer.num_decode_resumes += 1
+                log.warning("decode engine lost (%s); resuming after %d tokens elsewhere", e, len(emitted))
+                engine = min(others, key=lambda d: self._load.get(id(d), 0))
+                if session_id is not None:
+                    self._sessions[session_id] = self.decode.index(engine)
+                hashes = prefix_hashes(tokens["prompt_token_ids"], self.config.block_size, cache_salt)
+                self._held[self.decode.index(engine)].add(hashes)
 
     async def _hand_over(self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, decode: AsyncLLM) -> None:
         """The prompt's blocks from the prefill engine that computed them to `decode`; a
@@ -183,17 +248,35 @@ class DisaggregatedLLM:
         finally:
             self._load[id(engine)] -= 1
 
-    def _decode_for(self, session_id: str | None) -> AsyncLLM:
-        """The session's decode engine (its KV is there), else the least loaded."""
+    def _decode_for(self, session_id: str | None, hashes: list[bytes]) -> AsyncLLM:
+        """The session's decode engine (its KV is there); else the live engine holding the
+        longest run of the prompt's blocks, unless it is busier than the least loaded by more
+        than AFFINITY_SLACK requests; else the least loaded (ties taken in turn)."""
         if session_id is not None and (index := self._sessions.get(session_id)) is not None:
-            self._sessions.move_to_end(session_id)
-            return self.decode[index]
-        index = min(range(len(self.decode)), key=lambda i: self._load.get(id(self.decode[i]), 0))
+            if not self.decode[index].dead:
+                self._sessions.move_to_end(session_id)
+                return self.decode[index]
+        live = [i for i, d in enumerate(self.decode) if not d.dead] or list(range(len(self.decode)))
+        load = {i: self._load.get(id(self.decode[i]), 0) for i in live}
+        least = min(load.values())
+        self._turn += 1
+        idle = [i for i in live if load[i] == least]
+        index = idle[self._turn % len(idle)]
+        held = {i: self._held[i].run(hashes) for i in live}
+        best = max(live, key=lambda i: (held[i], -load[i]))
+        if held[best] and load[best] <= least + AFFINITY_SLACK:
+            index = best
         if session_id is not None:
             self._sessions[session_id] = index
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
+        self._held[index].add(hashes)
         return self.decode[index]
+
+    def engine_of(self, request_id: str) -> AsyncLLM | None:
+        """The engine running the request's current leg (for operators and fault tests)."""
+        legs = self._legs.get(request_id)
+        return legs[-1][0] if legs else None
 
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(*(engine.abort(leg) for engine, leg in self._legs.get(request_id, [])))

@@ -82,13 +82,16 @@ class LocalExecutor:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def read_kv(self, block_ids: list[int]) -> list[ray.ObjectRef]:
-        """The KV connector's export: the blocks' bytes in the object store (one worker here)."""
-        return [ray.put(await self._call(self.worker.read_kv, block_ids))]
+        """The KV connector's export: the blocks' bytes in the object store (one worker here).
+        Off the step thread, so it does not wait for a step: the blocks are held (no step
+        writes them) and a step only writes other blocks."""
+        return [ray.put(await asyncio.to_thread(self.worker.read_kv, block_ids))]
 
     async def write_kv(self, block_ids: list[int], refs: list[ray.ObjectRef], positions: list[int]) -> int:
-        """The KV connector's import, on the step thread: never during a step."""
+        """The KV connector's import, off the step thread likewise: the blocks written are
+        fresh, held by no request until they are filed."""
         data = await refs[0]
-        return await self._call(self.worker.write_kv, block_ids, data, positions)
+        return await asyncio.to_thread(self.worker.write_kv, block_ids, data, positions)
 
     def shutdown(self) -> None:
         self.worker = None  # the weights and KV go with the last reference

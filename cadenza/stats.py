@@ -102,6 +102,7 @@ class KVTransferStats(msgspec.Struct):
     seconds: float = 0.0
     num_fallbacks: int = 0
     num_prefill_failures: int = 0  # requests whose prefill engine died: computed on the decode engine
+    num_decode_resumes: int = 0  # requests whose decode engine died: resumed on another
 
 
 class ServingStats(msgspec.Struct, kw_only=True):

@@ -167,6 +167,11 @@ class _EngineCollector:
             (p + "kv_transfer_seconds", "Time spent handing KV over.", moved.seconds),
             (p + "kv_transfer_fallbacks", "Hand-overs that fell back to recomputing.", moved.num_fallbacks),
             (p + "kv_transfer_prefill_failures", "Requests whose prefill engine died.", moved.num_prefill_failures),
+            (
+                p + "kv_transfer_decode_resumes",
+                "Requests resumed after their decode engine died.",
+                moved.num_decode_resumes,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from cadenza import AsyncLLM, DisaggregatedLLM, SamplingParams
@@ -67,6 +68,30 @@ def test_1p2d_gives_the_colocated_tokens(engines) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
+def test_prefix_affinity_sends_a_shared_prefix_where_it_is_cached(engines) -> None:  # noqa: ANN001
+    """Three requests over one long prefix land where the first left it (their blocks skipped,
+    not moved again); a request with another prefix goes to the other idle engine (in turn)."""
+    _, split = engines
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    shared = list(range(1000, 1064))  # 4 full blocks
+
+    def queries() -> list[int]:  # prompt tokens each decode engine has looked up so far
+        return [d.engine.kv_cache.queries for role, d in asyncio.run(split.stats()).roles if role == "decode"]
+
+    before, start = msgspec.structs.replace(split.transfer), queries()
+    for tail in ([1, 2, 3], [4, 5], [6]):
+        asyncio.run(_run(split, shared + tail, greedy))
+    moved, middle = split.transfer, queries()
+    assert moved.num_blocks_imported - before.num_blocks_imported == 4  # once, by the first request
+    assert moved.num_blocks_skipped - before.num_blocks_skipped == 8  # the next two found them there
+    asyncio.run(_run(split, list(range(2000, 2040)), greedy))
+    end = queries()
+    (shared_engine,) = [i for i in range(2) if middle[i] > start[i]]  # all three on one engine
+    (other_engine,) = [i for i in range(2) if end[i] > middle[i]]
+    assert shared_engine != other_engine  # both idle: the new prefix took the other in turn
+
+
+@pytest.mark.slow
 def test_a_failed_hand_over_recomputes_and_no_block_leaks(engines, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     colocated, split = engines
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -94,10 +119,36 @@ def test_the_role_counts_are_checked() -> None:
 
 
 @pytest.mark.slow
+def test_a_dead_decode_engine_hands_its_request_to_the_other(engines) -> None:  # noqa: ANN001
+    """Kills the request's decode engine after ten tokens: the request resumes on the other
+    decode engine after them, and the stream equals the colocated one."""
+    import ray
+
+    colocated, split = engines
+    greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    prompt = list(range(500, 540))
+
+    async def run() -> tuple[list[int], str, str | None]:
+        ids, text, reason = [], "", None
+        async for out in split.generate({"prompt_token_ids": prompt}, greedy, request_id="victim"):
+            ids += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            reason = out.outputs[0].finish_reason or reason
+            if len(ids) >= 10 and not killed:
+                killed.append(split.engine_of("victim"))
+                ray.kill(killed[0].engine)
+        return ids, text, reason
+
+    killed: list = []
+    assert asyncio.run(run()) == asyncio.run(_run(colocated, prompt, greedy))
+    assert killed[0] in split.decode and split.transfer.num_decode_resumes == 1
+
+
+@pytest.mark.slow
 def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> None:  # noqa: ANN001
-    """Last: it kills the module's prefill engine. Requests then compute their prompt on a decode
-    engine, tokens equal, none lost; health holds while a decode engine serves. (A decode
-    engine's death fails its requests with EngineDeadError, as AsyncLLM's tests show.)"""
+    """Last: it kills the module's prefill engine (a decode engine is dead already). Requests
+    then compute their prompt on the decode engine left, tokens equal, none lost; health
+    holds while a decode engine serves."""
     import ray
 
     colocated, split = engines
@@ -107,7 +158,7 @@ def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> 
     assert asyncio.run(_run(split, prompt, greedy)) == asyncio.run(_run(colocated, prompt, greedy))
     assert asyncio.run(_run(split, prompt, greedy)) == asyncio.run(_run(colocated, prompt, greedy))
     stats = asyncio.run(split.stats())
-    assert [role for role, _ in stats.roles] == ["decode", "decode"]  # /stats: the live engines
+    assert [role for role, _ in stats.roles] == ["decode"]  # /stats: the live engines (one decode engine died)
     assert stats.kv_transfer.num_prefill_failures == 2 and stats.engine.num_running == 0
     asyncio.run(split.check_health())  # still serving: the decode engines compute prompts
 
