@@ -153,6 +153,7 @@ class DisaggregatedLLM:
                     yield out
                 return
             first: list[int] = []
+            handoff: tuple[float, float] | None = None
             prefill = self._prefill_engine()
             try:
                 if prefill.dead:  # every prefill engine is gone: the decode engine computes it all
@@ -161,11 +162,13 @@ class DisaggregatedLLM:
                     yield out
                     if out.finished:
                         return
-                await self._hand_over(prefill, ids, cache_salt, decode)
+                handoff = await self._hand_over(prefill, ids, cache_salt, decode)
             except (EngineDeadError, RequestFailedError) as e:  # the prefill engine died under it
                 self.transfer.num_prefill_failures += 1
                 log.warning("prefill engine lost (%s); the decode engine computes the prompt", e)
             async for out in self._decode(decode, rid, tokens, params, priority, pace, cache_salt, session_id, first):
+                if handoff is not None and out.metrics:  # the gateway's trace gets a kv_handoff span
+                    out.metrics[0].kv_handoff, handoff = handoff, None
                 yield out
         finally:
             self._legs.pop(rid, None)
@@ -215,10 +218,12 @@ class DisaggregatedLLM:
                 hashes = prefix_hashes(tokens["prompt_token_ids"], self.config.block_size, cache_salt)
                 self._held[self.decode.index(engine)].add(hashes)
 
-    async def _hand_over(self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, decode: AsyncLLM) -> None:
+    async def _hand_over(
+        self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, decode: AsyncLLM
+    ) -> tuple[float, float]:
         """The prompt's blocks from the prefill engine that computed them to `decode`; a
-        failure leaves the decode engine to recompute them."""
-        start = time.monotonic()
+        failure leaves the decode engine to recompute them. Returns its wall-clock window."""
+        start, wall = time.monotonic(), time.time()
         try:
             handoff, refs = await prefill.export_kv(ids, cache_salt)
             if handoff.block_hashes:
@@ -231,6 +236,7 @@ class DisaggregatedLLM:
             self.transfer.num_fallbacks += 1
             log.warning("KV hand-over failed, recomputing on the decode engine: %s: %s", type(e).__name__, e)
         self.transfer.seconds += time.monotonic() - start
+        return wall, time.time()
 
     async def _leg(
         self, engine: AsyncLLM, rid: str, suffix: str, tokens: dict, params: SamplingParams, priority: int,

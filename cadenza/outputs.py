@@ -28,6 +28,9 @@ class RequestMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Prefill/decode disaggregation: (start, end) wall-clock seconds of the request's KV
+    # hand-over between engines (actors/disaggregated.py), on the first output after it.
+    kv_handoff: tuple[float, float] | None = None
 
     @property
     def ttft(self) -> float | None:

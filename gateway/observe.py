@@ -27,6 +27,7 @@ class Observation:
         self.first_token_at: float | None = None
         self.queue_time: float | None = None
         self.output_tokens = 0
+        self.kv_handoff: tuple[float, float] | None = None  # disaggregation's hand-over window
         # Per sequence index: its speculative (drafts, draft tokens, accepted) so far.
         self.spec: dict[int, tuple[int, int, int]] = {}
         self.done = False
@@ -38,6 +39,7 @@ class Observation:
             self.first_token_at = now
         self.output_tokens += count
         self.recorder.tokens(count, now, self.arrival)
+        self.kv_handoff = next((m.kv_handoff for m in out.metrics if m.kv_handoff), self.kv_handoff)
         queue_times = [m.queue_time for m in out.metrics if m.queue_time is not None]
         self.queue_time = queue_times[0] if queue_times else self.queue_time
         for completion, m in zip(out.outputs, out.metrics):  # cumulative counts: keep the latest
@@ -61,7 +63,8 @@ class Observation:
         times = RequestTimes(self.arrival, self.queue_time, self.first_token_at, now)
         self.recorder.finish(reasons[0] if reasons else "abort", prompt_tokens, times, self.output_tokens)
         times = (self.arrival, self.queue_time, self.first_token_at, now)
-        self.span.finish(response_id, self.model, reasons, (prompt_tokens, self.output_tokens), times, text)
+        usage = (prompt_tokens, self.output_tokens)
+        self.span.finish(response_id, self.model, reasons, usage, times, text, self.kv_handoff)
         if request_log.isEnabledFor(logging.INFO):
             ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 3)
             finish, total = ",".join(reasons) or "abort", round(now - self.arrival, 3)

@@ -91,8 +91,10 @@ class RequestSpan:
         usage: tuple[int, int],
         times: tuple[float, float | None, float | None, float],
         output_text: str | None = None,
+        kv_handoff: tuple[float, float] | None = None,
     ) -> None:
-        """times: (arrival, queue_time, first_token_at, finished_at), wall-clock seconds."""
+        """times: (arrival, queue_time, first_token_at, finished_at), wall-clock seconds;
+        kv_handoff: the window of a disaggregated request's KV hand-over (a child span)."""
         if self.span is None:
             return
         arrival, queue_time, first_token, finished = times
@@ -116,6 +118,8 @@ class RequestSpan:
         phases = [("queue", arrival, scheduled), ("prefill", scheduled, first_token or finished)]
         if first_token is not None:
             phases.append(("decode", first_token, finished))
+        if kv_handoff is not None:
+            phases.append(("kv_handoff", *kv_handoff))
         for name, start, end in phases:
             child = self.tracing.tracer.start_span(name, context=context, start_time=_ns(start))
             child.end(end_time=_ns(max(end, start)))

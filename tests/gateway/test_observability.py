@@ -94,3 +94,38 @@ def test_streamed_chat_yields_the_span_tree_with_the_callers_trace_id() -> None:
     assert a["gen_ai.usage.output_tokens"] == 5 and a["gen_ai.usage.input_tokens"] > 0
     assert a["gen_ai.server.time_to_first_token"] > 0
     assert "gen_ai.input.messages" not in a and "gen_ai.output.messages" not in a  # content is opt-in
+
+
+class HandedOverEngine(PacedEngine):
+    """PacedEngine whose second output says a KV hand-over happened just before it (as a
+    disaggregated engine's first decode-side output does)."""
+
+    async def generate(self, prompt, params, request_id: str, **kw):  # noqa: ANN001, ANN003, ANN201
+        import time
+
+        count = 0
+        async for out in super().generate(prompt, params, request_id, **kw):
+            count += 1
+            if count == 2:
+                out.metrics[0].kv_handoff = (time.time() - 0.002, time.time() - 0.001)
+            yield out
+
+
+def test_a_kv_hand_over_is_a_child_span_of_the_request() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    port = free_port()
+    app = build_app(HandedOverEngine(pace=0.01), DEFAULT_MODEL, GatewaySettings(port=port), tracer_provider=provider)
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with serve_in_thread(app, port):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root, handoff = spans[f"chat {DEFAULT_MODEL}"], spans["kv_handoff"]
+    assert handoff.parent.span_id == root.context.span_id and handoff.start_time < handoff.end_time
