@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from cadenza.actors.timeline import STAGES, TimelineRecorder, engine_gap, median_stages
-from cadenza.benchmarks.report import report
+from cadenza.benchmarks.report import free_port, report
 from cadenza.outputs import RequestMetrics
 from cadenza.sampling_params import SamplingParams
 
@@ -140,7 +140,7 @@ async def _websocket_leg(llm: Any, steps: int) -> dict[str, Any]:
     from cadenza.gateway.server import uvicorn_config
     from cadenza.gateway.settings import GatewaySettings
 
-    settings = GatewaySettings(port=_free_port())
+    settings = GatewaySettings(port=free_port())
     server = uvicorn.Server(uvicorn_config(build_app(llm, "bench", settings), settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -178,14 +178,6 @@ def _frame_stage(recorder: TimelineRecorder, frames: list[float]) -> dict[str, A
         "gateway_frame_ms": 1e3 * statistics.median(lags) if lags else None,
         "client_token_interval_ms": 1e3 * statistics.median(gaps) if gaps else None,
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_actor_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -29,3 +29,12 @@ def percentiles_ms(values: list[float]) -> dict[str, float | None]:
         "p99": pick(0.99) * 1e3,
         "mean": statistics.mean(values) * 1e3,
     }
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a server a benchmark starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

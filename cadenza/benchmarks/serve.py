@@ -80,6 +80,16 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--offline-model", default=None, help="the in-process model (default: the served model's name)")
     p.add_argument("--output", default=None, help="also write the JSON here")
+    p.add_argument(
+        "--disaggregation",
+        default=None,
+        help="NPMD: start a colocated server and an NPMD one here in turn, run the workload on each, "
+        "and report both with their ratios (--url is then not used)",
+    )
+    p.add_argument("--serve-args", default="", help="with --disaggregation: flags for both servers (model, ...)")
+    p.add_argument(
+        "--split-cpus", type=float, default=None, help="with --disaggregation: CPUs per split engine's worker"
+    )
 
 
 def _span(text: str) -> tuple[int, int]:
@@ -302,6 +312,14 @@ def plot(path: str, results: list[Result], title: str) -> None:
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "disaggregation", None):
+        from cadenza.benchmarks.disaggregation import run_disaggregation_bench
+
+        return run_disaggregation_bench(args, _one)
+    return _one(args)
+
+
+def _one(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_offline and args.request_rate:
         raise SystemExit("--compare-offline reproduces a concurrency (or all at once), not --request-rate arrivals")
     workload = make_workload(args)
