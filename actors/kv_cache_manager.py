@@ -26,6 +26,16 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
     return hashlib.sha256(msgspec.msgpack.encode([parent or b"", list(token_ids), list(extra_keys)])).digest()
 
 
+def extend_chain(hashes: list[bytes], token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+    """`hashes` (the chain of token_ids' first blocks so far) extended over every full block of
+    token_ids, in place: the prefix cache's keys, shared with the KV connector."""
+    extra = (cache_salt,) if cache_salt else ()
+    for i in range(len(hashes), len(token_ids) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(hashes[-1] if hashes else None, block, extra))
+    return hashes
+
+
 # A block table's place whose block went back to the pool (behind every layer's window).
 DROPPED = KVBlock(-1)
 
@@ -90,11 +100,7 @@ class KVCacheManager:
     def block_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the request's full blocks (prompt and output), extended as tokens arrive."""
         hashes = self.hashes.setdefault(req.request_id, [])
-        tokens, bs = req.all_token_ids, self.block_size
-        extra = (req.cache_salt,) if req.cache_salt else ()
-        for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], extra))
-        return hashes
+        return extend_chain(hashes, req.all_token_ids, self.block_size, req.cache_salt)
 
     def find_cached(self, req: Request) -> list[KVBlock]:
         """Longest cached run of the request's leading full blocks; the last token always recomputes

@@ -39,10 +39,7 @@ class SettingInfo:
 
 def setting(default: Any, group: str, doc: str, **info: Any) -> Any:  # noqa: ANN401 - a field of any type
     """A dataclass field whose metadata documents it (see SettingInfo)."""
-    meta = {_KEY: SettingInfo(group, doc, **info)}
-    if isinstance(default, list | dict):
-        return dataclasses.field(default_factory=lambda: default, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, metadata={_KEY: SettingInfo(group, doc, **info)})
 
 
 def info_of(field: dataclasses.Field) -> SettingInfo:
@@ -56,7 +53,7 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _kind(field: dataclasses.Field) -> str:
+def kind_of(field: dataclasses.Field) -> str:
     """The field's annotation (a string under `from __future__ import annotations`), bare."""
     text = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
     return text.replace(" | None", "").strip()
@@ -79,8 +76,8 @@ def add_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ())
 
 def _add_flag(p: Any, field: dataclasses.Field, meta: SettingInfo) -> None:  # noqa: ANN401 - argparse's group
     names = (flag_name(field.name), *meta.aliases)
-    default = _default(field)
-    kind = _kind(field)
+    default = field.default
+    kind = kind_of(field)
     if meta.env:
         default = os.environ.get(meta.env) or default
     help_text = meta.doc.replace("%", "%%")
@@ -91,12 +88,6 @@ def _add_flag(p: Any, field: dataclasses.Field, meta: SettingInfo) -> None:  # n
     else:
         parse = meta.parse or _PARSERS.get(kind, str)
         p.add_argument(*names, type=parse, default=default, choices=meta.choices, help=help_text)
-
-
-def _default(field: dataclasses.Field) -> Any:  # noqa: ANN401
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
 
 
 def values_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:

@@ -138,14 +138,11 @@ class _EngineCollector:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(label, value)
             yield gauge
-        for name, doc, value in (
+        yield from _counters(label, (
             (p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.queries),
             (p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.hits),
             (p + "num_preemptions", "Requests preempted.", engine.num_preemptions),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(label, value)
-            yield counter
+        ))  # fmt: skip
         if engine.step_tokens is not None:
             steps = HistogramMetricFamily(
                 p + "iteration_tokens_total", "Tokens per engine step.", labels=["model_name"]
@@ -159,7 +156,7 @@ class _EngineCollector:
         """Prefill/decode disaggregation's hand-overs; absent (not zero) without it."""
         if moved is None:
             return
-        for name, doc, value in (
+        yield from _counters(label, (
             (p + "kv_transfer_handoffs", "Prompts whose KV moved to a decode engine.", moved.num_handoffs),
             (p + "kv_transfer_blocks_imported", "KV blocks written on decode engines.", moved.num_blocks_imported),
             (p + "kv_transfer_blocks_skipped", "KV blocks decode engines already held.", moved.num_blocks_skipped),
@@ -172,23 +169,17 @@ class _EngineCollector:
                 "Requests resumed after their decode engine died.",
                 moved.num_decode_resumes,
             ),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(label, value)
-            yield counter
+        ))  # fmt: skip
 
     def _spec_decode(self, spec: SpecDecodeStats | None, label: list[str], p: str) -> Iterator[Metric]:
         """Speculative decoding counters; absent (not zero) when the engine does not speculate."""
         if spec is None:
             return
-        for name, doc, value in (
+        yield from _counters(label, (
             (p + "spec_decode_num_drafts", "Verification steps that had drafts.", spec.num_drafts),
             (p + "spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
             (p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(label, value)
-            yield counter
+        ))  # fmt: skip
         per_pos = CounterMetricFamily(
             p + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by their position in the draft (0 first).",
@@ -197,3 +188,11 @@ class _EngineCollector:
         for position, value in enumerate(spec.accepted_per_position):
             per_pos.add_metric([*label, str(position)], value)
         yield per_pos
+
+
+def _counters(label: list[str], rows: tuple[tuple[str, str, float], ...]) -> Iterator[Metric]:
+    """One counter family per (name, doc, value), labelled with the model."""
+    for name, doc, value in rows:
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric(label, value)
+        yield counter

@@ -10,18 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from cadenza.actors.block_pool import KVBlock
-from cadenza.actors.kv_cache_manager import KVCacheManager, hash_block
+from cadenza.actors.kv_cache_manager import KVCacheManager, extend_chain
 from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport
 
 
 def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
     """The chain of hashes of token_ids' full blocks, as the scheduler keys them."""
-    extra = (cache_salt,) if cache_salt else ()
-    hashes: list[bytes] = []
-    for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block(hashes[-1] if hashes else None, block, extra))
-    return hashes
+    return extend_chain([], token_ids, block_size, cache_salt)
 
 
 class EnginePort:

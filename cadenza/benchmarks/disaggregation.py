@@ -39,7 +39,8 @@ def run_disaggregation_bench(args: argparse.Namespace, run_one: Any) -> dict[str
     result: dict[str, Any] = {"serve_args": args.serve_args, "modes": {}}
     for mode in modes:
         with _server([*shlex.split(args.serve_args), *mode.flags], args.api_key) as url:
-            one = run_one(dataclasses.replace(_Args(args), url=url, output=None).namespace())
+            here = {"url": url, "output": None, "plot": None, "compare_offline": False}
+            one = run_one(argparse.Namespace(**vars(args) | here))
             one["kv_transfer"] = _stats(url, args.api_key).get("kv_transfer")
             result["modes"][mode.name] = one
     base, other = (result["modes"][m.name] for m in modes)
@@ -51,19 +52,6 @@ def run_disaggregation_bench(args: argparse.Namespace, run_one: Any) -> dict[str
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Args:
-    """The bench's Namespace, copied with another url and output."""
-
-    ns: argparse.Namespace
-    url: str | None = None
-    output: str | None = None
-
-    def namespace(self) -> argparse.Namespace:
-        values = vars(self.ns) | {"url": self.url, "output": self.output, "plot": None, "compare_offline": False}
-        return argparse.Namespace(**values)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from typing import Any
 
 from cadenza.config import EngineConfig
 from cadenza.gateway.settings import GatewaySettings
-from cadenza.setting import flag_name, info_of
+from cadenza.setting import flag_name, info_of, kind_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 # Where each class's tables go: between its two marker lines in docs/settings.md.
@@ -24,7 +24,7 @@ def default_text(field: dataclasses.Field) -> str:
     meta = info_of(field)
     if meta.default_text is not None:
         return meta.default_text
-    value: Any = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    value: Any = field.default
     if isinstance(value, bool):
         return "on" if value else "off"
     if value is None or value == ():
@@ -37,7 +37,7 @@ def _flag_cell(field: dataclasses.Field) -> str:
     if not meta.flag:
         return "(positional or `--model`)" if field.name == "model" else "-"
     names = [flag_name(field.name), *meta.aliases]
-    if field.type in ("bool", "bool | None"):
+    if kind_of(field) == "bool":
         names.append("--no-" + flag_name(field.name)[2:])
     return ", ".join(f"`{n}`" for n in names)
 
