@@ -82,6 +82,10 @@ class StreamingClient:
         engine): the engine resumes after them and the stream yields only what follows."""
         self._check_alive()
         params = sampling_params or SamplingParams()
+        if params.structured_outputs is not None:  # a grammar that cannot compile: refused here
+            # In a thread: a large schema compiles for a while. The gateway checked it already
+            # (grammar_budget.py), and the verdict is cached in this process by its digest.
+            await asyncio.to_thread(params.structured_outputs.check)
         text, ids = tokenize(self.tokenizer, prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         pending, requests = fan_out(

@@ -56,7 +56,7 @@ def build_app(
     under Serve, where /metrics gathers every replica's (gateway/replica_metrics.py)."""
     tracing = Tracing(tracer_provider or provider_from_env())
     state = GatewayState(engine, model_name, settings, tracing, store)
-    page = ChatPage(model_name, hide_model=settings.api_key is not None)
+    page = ChatPage(model_name, hide_model=settings.requires_key)
 
     async def health(request: Request) -> Response:
         try:

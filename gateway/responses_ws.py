@@ -28,7 +28,7 @@ from cadenza.gateway.admission import RETRY_AFTER_MS
 from cadenza.gateway.grammar_budget import GrammarPlace
 from cadenza.gateway.json_scan import JsonDepthError, check_json
 from cadenza.gateway.response_run import ResponseRun
-from cadenza.gateway.send_deadline import SendTimeout, send_within
+from cadenza.gateway.send_deadline import SendTimeout, drop_connection, send_within
 from cadenza.gateway.state import GatewayState, PreparedResponse, RequestError, new_id
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,13 @@ class ResponsesSocket:
 
     def stall(self) -> None:
         """A client that stopped reading: end the socket, which cancels its responses and
-        frees their places (more sends would only queue behind the one that timed out)."""
+        frees their places (more sends would only queue behind the one that timed out), and
+        drop its connection, whose unsent bytes would otherwise hold it open."""
         log.warning("websocket client %s stopped reading for send_timeout_s; ending its socket", self.client)
         self.closed = self.stalled = True
         if self.serve_task is not None:
             self.serve_task.cancel()
+        drop_connection(self.ws.scope)
 
     async def serve(self) -> None:
         self.serve_task = asyncio.current_task()

@@ -19,7 +19,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cadenza.gateway.header_timeout import ABORT_CONNECTION
+from cadenza.gateway.connection_deadlines import ABORT_CONNECTION
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,16 @@ async def send_within(sending: Awaitable[None], timeout_s: float) -> None:
         task.cancel()
         raise SendTimeout(f"the client took no data for {timeout_s} s (send_timeout_s)")
     task.result()
+
+
+def drop_connection(scope: Scope) -> bool:
+    """Resets the connection of `scope` at once, where the server offers that (connection_deadlines'
+    protocols do, for HTTP and for websockets upgraded from them; Ray Serve's proxy does not).
+    Whether it did."""
+    abort = scope.get("state", {}).get(ABORT_CONNECTION)
+    if abort is not None:
+        abort()
+    return abort is not None
 
 
 # A reverse proxy must pass events on as they come: not cache them, not buffer them (nginx).
@@ -123,12 +133,10 @@ class SseStream(StreamingResponse):
         await send_within(send({"type": "http.response.body", "body": data, "more_body": True}), self.timeout_s)
 
     async def _abort(self, scope: Scope, gone: asyncio.Future[None]) -> None:
-        """Drops the connection, when the server offers that (header_timeout's protocols do;
+        """Drops the connection, when the server offers that (connection_deadlines' protocols do;
         otherwise it closes the connection once this returns with the response incomplete)."""
         log.warning("HTTP client %s took no data for send_timeout_s; its stream is cut", scope.get("client"))
-        abort = scope.get("state", {}).get(ABORT_CONNECTION)
-        if abort is not None:
-            abort()
+        if drop_connection(scope):
             # Until uvicorn has seen the connection lost: returning sooner logs the response
             # as incomplete.
             await asyncio.wait({gone}, timeout=self.timeout_s)

@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from cadenza.engine_args import engine_kwargs
 from cadenza.engine_client import EngineClient
 from cadenza.gateway.app import build_app
-from cadenza.gateway.header_timeout import head_deadline_protocol
+from cadenza.gateway.connection_deadlines import deadline_protocol
 from cadenza.gateway.log_format import configure_logging
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.state import GatewayState
@@ -110,7 +110,7 @@ def uvicorn_config(app: Starlette, settings: GatewaySettings) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=head_deadline_protocol(settings.header_timeout_s),
+        http=deadline_protocol(settings.header_timeout_s, settings.send_timeout_s),
         ws="websockets-sansio",
         # Frames up to 4x the limit reach the app, which answers with an `error` event.
         ws_max_size=4 * settings.max_frame_bytes,

@@ -71,6 +71,13 @@ class GatewaySettings:
         env="CADENZA_API_KEY",
         default_text="$CADENZA_API_KEY",
     )
+    tenant_api_keys: tuple[str, ...] = setting(
+        (),
+        "security",
+        "more keys, each accepted wherever `api_key` is and each its own tenant: its responses, stored turns, session "
+        "pins, prefix cache and per-client quotas are apart from every other key's (a shared `api_key` is one tenant)",
+        default_text="none",
+    )
     priority_api_keys: tuple[str, ...] = setting(
         (),
         "security",
@@ -259,11 +266,13 @@ class GatewaySettings:
             raise ValueError(f"reasoning_parser must be one of {choices}, auto or none, got {self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
-        if isinstance(self.priority_api_keys, str) or not all(k.strip() for k in self.priority_api_keys):
-            raise ValueError("priority_api_keys must be a list of non-empty keys")
+        for name in ("tenant_api_keys", "priority_api_keys"):
+            keys = getattr(self, name)
+            if isinstance(keys, str) or not all(k.strip() for k in keys):
+                raise ValueError(f"{name} must be a list of non-empty keys")
+            object.__setattr__(self, name, tuple(keys))  # a YAML list
         if not MIN_PRIORITY <= self.batch_priority <= MAX_PRIORITY:
             raise ValueError(f"batch_priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.batch_priority}")
-        object.__setattr__(self, "priority_api_keys", tuple(self.priority_api_keys))  # a YAML list
         grammar_caps = (self.max_grammar_bytes, self.max_grammar_requests, self.max_grammar_requests_per_client)
         if min(grammar_caps) < 1 or self.grammar_compile_timeout_s <= 0:
             message = "max_grammar_bytes, max_grammar_requests(_per_client) must be >= 1, grammar_compile_timeout_s > 0"
@@ -294,11 +303,17 @@ class GatewaySettings:
         name = name[: name.index("]") + 1] if name.startswith("[") and "]" in name else name.split(":", 1)[0]
         return name in {h.lower() for h in (self.allowed_hosts or self.own_hosts)}
 
+    @property
+    def requires_key(self) -> bool:
+        return self.api_key is not None or bool(self.tenant_api_keys)
+
     def key_accepts(self, candidates: list[str]) -> bool:
-        """No key configured, or one candidate equals it or a priority key (constant time)."""
-        if self.api_key is None:
+        """No key required, or one candidate equals api_key, a tenant key or a priority key
+        (constant time)."""
+        if not self.requires_key:
             return True
-        return _any_equal(candidates, (self.api_key, *self.priority_api_keys))
+        keys = (self.api_key,) if self.api_key is not None else ()
+        return _any_equal(candidates, (*keys, *self.tenant_api_keys, *self.priority_api_keys))
 
     def grants_priority(self, candidates: list[str]) -> bool:
         """One candidate is a priority_api_keys key (compared in constant time)."""

@@ -48,6 +48,39 @@ def render_with_spans(
     return _filled(render(marked), contents, text)
 
 
+def refuse_special_text(
+    messages: list[dict[str, Any]], variables: dict[str, Any] | None, specials: re.Pattern[str] | None
+) -> None:
+    """ValueError when special-token text lies anywhere but in a message's string content: a
+    tool's definition, a tool call's arguments, a name, a template variable. The template
+    renders those through its own filters (inside JSON, mostly), where no span can follow
+    them, so they could not be kept as text; read as tokens they would open turns."""
+    if specials is None:
+        return
+    for i, message in enumerate(messages):
+        for key, value in message.items():
+            if not (key == "content" and isinstance(value, str)):
+                _refuse_in(value, specials, f"messages[{i}].{key}")
+    for key, value in (variables or {}).items():
+        _refuse_in(value, specials, key)
+
+
+def _refuse_in(value: Any, specials: re.Pattern[str], where: str) -> None:
+    """Walks strings, lists and dicts (keys included); the JSON depth bound limits the walk."""
+    if isinstance(value, str):
+        if found := specials.search(value):
+            raise ValueError(
+                f"{where} holds special-token text {found.group()!r}; it is refused outside message contents"
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_in(key, specials, where)
+            _refuse_in(item, specials, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_in(item, specials, f"{where}[{i}]")
+
+
 def _marked(message: dict[str, Any], index: int) -> dict[str, Any]:
     return {**message, "content": _MARK.format(index)} if isinstance(message.get("content"), str) else message
 

@@ -11,7 +11,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from cadenza.models.chat_spans import RenderedChat, render_with_spans, special_text_pattern
+from cadenza.models.chat_spans import RenderedChat, refuse_special_text, render_with_spans, special_text_pattern
 from cadenza.models.chat_template import render_chat
 from cadenza.models.gguf_reader import field_value
 from cadenza.models.spm_gguf import sentencepiece_bpe
@@ -99,7 +99,9 @@ class Tokenizer:
         variables: dict[str, Any] | None = None,
     ) -> RenderedChat:
         """apply_chat_template's text, with where the contents lie when one holds special-token
-        text (models/chat_spans.py: such text stays text when encode_chat tokenizes it)."""
+        text (models/chat_spans.py: such text stays text when encode_chat tokenizes it).
+        ValueError for special-token text anywhere else (tools, tool calls, variables)."""
+        refuse_special_text(messages, variables, self._special_text)
         render = lambda turns: self.apply_chat_template(turns, add_generation_prompt, variables)  # noqa: E731
         return render_with_spans(render, messages, self._special_text)
 

@@ -13,6 +13,7 @@ from cadenza_testkit.waiting import until
 from cadenza import InProcessClient, SamplingParams
 from cadenza.errors import EngineDeadError
 from cadenza.models.loader import DEFAULT_MODEL
+from cadenza.structured_outputs import StructuredOutputs
 
 NUM_BLOCKS = 512
 
@@ -87,6 +88,19 @@ def test_a_refused_request_fails_alone(client: InProcessClient, smollm) -> None:
     message, (tokens, _) = asyncio.run(run())
     assert str(vocab) in message
     assert tokens == reference.outputs[0].token_ids
+
+
+def test_a_grammar_that_cannot_compile_is_refused_before_any_work(client: InProcessClient) -> None:
+    """A direct client's (not only the gateway's) invalid grammar is the caller's ValueError,
+    named, before the request reaches the engine."""
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="a(b"))
+
+    async def run() -> str:
+        with pytest.raises(ValueError, match="^structured_outputs: invalid regex") as refused:
+            await _text(client, "hi", params)
+        return str(refused.value)
+
+    asyncio.run(run())  # before: RequestFailedError from the runner, once the request was queued
 
 
 def test_parallelism_needs_the_actor_runtime() -> None:

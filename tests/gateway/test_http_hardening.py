@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from cadenza_testkit.servers import CHAT, GatedEngine, free_port, serve_in_threa
 
 from cadenza.cli.main import build_parser
 from cadenza.gateway.app import build_app
-from cadenza.gateway.header_timeout import H11HeadDeadline, head_deadline_protocol
+from cadenza.gateway.connection_deadlines import ConnectionDeadlines, H11Deadlines, deadline_protocol
 from cadenza.gateway.server import GatewayServer, settings_from_args, uvicorn_config
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.models.loader import DEFAULT_MODEL, load_tokenizer, read_model
@@ -301,7 +302,7 @@ def test_a_trickling_request_head_is_closed_and_a_long_response_is_not(tokenizer
         assert asyncio.run(websocket()) == "response.incomplete"  # max_output_tokens reached
 
 
-@pytest.mark.parametrize("base", [H11HeadDeadline, head_deadline_protocol(0.0)], ids=["h11", "default"])
+@pytest.mark.parametrize("base", [H11Deadlines, deadline_protocol(0.0, 30.0)], ids=["h11", "default"])
 def test_both_uvicorn_protocols_close_a_trickling_head(base: type) -> None:
     async def app(scope: dict, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -324,6 +325,50 @@ def test_both_uvicorn_protocols_close_a_trickling_head(base: type) -> None:
     finally:
         server.should_exit = True
         thread.join(GUARD_S)
+
+
+class _Timers:
+    """A loop's call_later, fired by hand."""
+
+    def __init__(self) -> None:
+        self.due: list[tuple[Any, tuple]] = []
+
+    def call_later(self, delay: float, fn: Any, *args: Any) -> Any:
+        self.due.append((fn, args))
+        return types.SimpleNamespace(cancel=lambda: None)
+
+    def fire(self) -> bool:
+        if not self.due:
+            return False
+        fn, args = self.due.pop(0)
+        fn(*args)
+        return True
+
+
+class _DrainProbe(ConnectionDeadlines):
+    """The drain watch over a transport whose unsent bytes follow `unsent`, one value a check."""
+
+    def __init__(self, unsent: list[int]) -> None:
+        self.loop, self.resets, self.unsent = _Timers(), 0, unsent
+        self.transport = types.SimpleNamespace(get_write_buffer_size=lambda: self.unsent.pop(0))
+
+    def reset_connection(self) -> None:
+        self.resets += 1
+
+
+@pytest.mark.parametrize(
+    ("unsent", "resets"),
+    [([0], 0), ([900, 500, 100, 0], 0), ([900, 900], 1), ([900, 500, 500], 1), ([900, 400, 700], 1)],
+    ids=["all-sent", "slow-reader", "stalled", "stalled-later", "grew"],
+)
+def test_a_finished_answer_is_reset_only_when_its_client_takes_nothing(unsent: list[int], resets: int) -> None:
+    """After a response is complete, its unsent bytes are checked every send_timeout_s: a
+    client that takes some of them keeps its connection, one that takes none is reset."""
+    probe = _DrainProbe(list(unsent))
+    probe.watch_drain(None)
+    while probe.loop.fire():
+        pass
+    assert probe.resets == resets and not probe.unsent
 
 
 def test_an_idle_keep_alive_connection_is_closed(tokenizer: Any) -> None:

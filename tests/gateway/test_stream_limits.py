@@ -126,6 +126,58 @@ def test_a_stream_that_is_not_read_is_cut_and_gives_everything_back(tokenizer: A
             sock.close()
 
 
+@pytest.mark.heavy  # waits out a send deadline
+def test_a_whole_answer_that_is_not_read_drops_its_connection(tokenizer: Any) -> None:
+    """A non-streamed answer far larger than the socket buffers (400 x 32 KiB), to a client
+    that never reads it: once its send waits past send_timeout_s the connection is dropped
+    (uvicorn alone would hold it, and its place, for as long as the client lives)."""
+    engine = GatedEngine(tokenizer, pace=0.0, chunk=FLOOD)
+    with served(engine, send_timeout_s=0.5) as (port, state):
+        sock = _stalled(port, _request("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 400}))
+        try:
+            assert _dropped(sock), "the server still holds the connection of a client that does not read"
+            _wait_until(lambda: engine.running == 0 and state.admission.in_flight == 0, "not given back")
+            assert _call(port, "POST", "/v1/chat/completions", {**CHAT, "max_tokens": 1})[0] == 200
+        finally:
+            sock.close()
+
+
+def _stalled_websocket(port: int) -> socket.socket:
+    """A websocket client that sends one response.create (a text frame, masked with a zero
+    mask) once its handshake is answered, and then never reads."""
+    sock = _stalled(
+        port,
+        b"GET /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    )
+    sock.settimeout(GUARD_S)
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):  # byte by byte: nothing past the head is read
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    text = json.dumps({"type": "response.create", "input": "hi", "max_output_tokens": 1000}).encode()
+    assert len(text) < 126  # the one-byte length form
+    sock.sendall(bytes([0x81, 0x80 | len(text)]) + b"\0\0\0\0" + text)
+    return sock
+
+
+@pytest.mark.heavy  # waits out a send deadline
+def test_a_websocket_that_is_not_read_drops_its_connection(tokenizer: Any) -> None:
+    """A websocket client that stops reading: its responses end, its socket place is given back
+    and its TCP connection is dropped (before, uvicorn kept a connection whose unsent frames
+    never drained)."""
+    engine = GatedEngine(tokenizer, pace=0.0, gated=True, chunk=FLOOD)
+    with served(engine, send_timeout_s=0.5) as (port, state):
+        sock = _stalled_websocket(port)
+        try:
+            assert _dropped(sock), "the server still holds the connection of a websocket that stopped reading"
+            _wait_until(lambda: engine.running == 0, "the engine request was not aborted")
+            _wait_until(lambda: not state.admission.sockets and not state.admission.in_flight, "not given back")
+            state.admission.check_invariants()
+        finally:
+            sock.close()
+
+
 async def _read_stream(port: int, request: bytes, started: asyncio.Event) -> list[bytes]:
     """Every line of one streamed response, read to its end; `started` is set at its head."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

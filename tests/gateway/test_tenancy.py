@@ -142,3 +142,17 @@ def test_the_response_echoes_validated_fields_only(base_url: str) -> None:
         dumped = json.dumps(event.response.model_dump())
         assert junk not in dumped
         assert event.response.tools[0].name == "f" and event.response.text.format.name == "s"
+
+
+def test_each_tenant_key_is_its_own_tenant() -> None:
+    """With one shared api_key every holder is one tenant; tenant_api_keys gives each key
+    holder its own (the keys are all accepted, any other is a 401)."""
+    with gateway(api_key="shared", tenant_api_keys=("alice-key", "bob-key")) as url:
+        alice, bob, shared = (_client(url, k) for k in ("alice-key", "bob-key", "shared"))
+        done = alice.responses.create(model=DEFAULT_MODEL, input="hi", max_output_tokens=2)
+        assert alice.responses.retrieve(done.id).id == done.id
+        for other in (bob, shared):
+            assert _not_found(lambda: other.responses.retrieve(done.id), done.id)  # noqa: B023
+        assert shared.responses.create(model=DEFAULT_MODEL, input="hi", max_output_tokens=2).status
+        with pytest.raises(openai.AuthenticationError):
+            _client(url, "mallory-key").responses.create(model=DEFAULT_MODEL, input="hi", max_output_tokens=2)

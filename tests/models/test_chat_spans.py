@@ -4,6 +4,8 @@ HF's apply_chat_template + encode does."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cadenza.models.chat_spans import RenderedChat, render_with_spans, special_text_pattern
@@ -57,3 +59,35 @@ def test_spans_follow_the_template_and_survive_a_cut() -> None:
     assert chat.cut(12).spans == ((9, 12),) and chat.cut(12).text == chat.text[:12]
     plain = render_with_spans(render, [{"role": "user", "content": "plain"}], specials)
     assert plain == RenderedChat("<s>user: plain</s>")
+
+
+TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "variables", "where"),
+    [
+        (
+            [{"role": "user", "content": "hi"}],
+            {"tools": [{**TOOL, "function": {**TOOL["function"], "description": SPOOF}}]},
+            "tools[0].function.description",
+        ),
+        ([{"role": "user", "content": "hi"}], {"custom": {SPOOF: 1}}, "custom"),
+        (
+            [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": SPOOF}}]}],
+            None,
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        ([{"role": "user", "content": "hi", "name": "<|im_start|>"}], None, "messages[0].name"),
+    ],
+    ids=["tool-description", "variable-key", "tool-call-arguments", "name"],
+)
+def test_special_text_outside_contents_is_refused(
+    tokenizer: Tokenizer, messages: list, variables: dict | None, where: str
+) -> None:
+    """Tools, tool calls, names and template variables are rendered by the template's own
+    filters, where a span cannot keep them text: their special-token text is refused, naming
+    where it was found."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)} holds special-token text '<\|im_"):
+        tokenizer.render_chat(messages, True, variables)
+    tokenizer.render_chat([{"role": "user", "content": SPOOF}], True, {"tools": [TOOL]})  # contents stay allowed

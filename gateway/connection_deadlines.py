@@ -1,4 +1,4 @@
-"""uvicorn's HTTP protocol with a deadline on the request head.
+"""uvicorn's HTTP protocol with deadlines on the request head and on a finished answer's drain.
 
 uvicorn closes a keep-alive connection that sends nothing for timeout_keep_alive, but it
 has no limit on a head that trickles in: a client sending one header byte a second (or
@@ -12,6 +12,11 @@ The same protocols offer each request's app a way to drop its connection at once
 (send_deadline.py) needs it: uvicorn closes a connection whose response was left incomplete
 with `transport.close()`, which waits for the unsent bytes to drain, and to a client that
 does not read they never do (the connection, and its limit_concurrency place, stayed).
+
+A whole (not streamed) answer has the same problem out of the app's sight: uvicorn writes its
+body into the transport and the response is complete, however much of it is still unsent. So
+once a response is complete the transport's unsent bytes are watched: if none of them are
+taken for send_timeout_s, the connection is reset (a slow reader that makes progress is not).
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ except ImportError:  # httptools is optional (uvicorn[standard]); h11 is always 
 ABORT_CONNECTION = "cadenza.abort_connection"  # in scope["state"]: drops this request's connection
 
 
-class _HeadDeadline:
+class ConnectionDeadlines:
     """Mixin over a uvicorn HTTP protocol (which provides loop, transport, connection_made...)."""
 
     head_timeout_s = 10.0
+    send_timeout_s = 30.0
     head_timer: asyncio.TimerHandle | None = None
+    drain_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
@@ -47,6 +54,8 @@ class _HeadDeadline:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm_head_timer()
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
         super().connection_lost(exc)
 
     def reset_connection(self) -> None:
@@ -64,7 +73,24 @@ class _HeadDeadline:
         # (and so disarm it again).
         if self.awaits_head() and not self.transport.is_closing():
             self.arm_head_timer()
+        self.watch_drain(None)
         super().on_response_complete()
+
+    def watch_drain(self, unsent_before: int | None) -> None:
+        """Resets the connection if the answer's unsent bytes did not shrink in send_timeout_s
+        (checked again every send_timeout_s until they are all sent). Also when uvicorn has
+        closed the transport, which waits for them to drain, forever to a client that does
+        not read."""
+        if self.drain_timer is not None:  # a keep-alive connection's earlier answer, or this call's own timer
+            self.drain_timer.cancel()
+            self.drain_timer = None
+        unsent = self.transport.get_write_buffer_size()
+        if unsent == 0:
+            return
+        if unsent_before is not None and unsent >= unsent_before:
+            self.reset_connection()
+            return
+        self.drain_timer = self.loop.call_later(self.send_timeout_s, self.watch_drain, unsent)
 
     def awaits_head(self) -> bool:
         return True
@@ -84,7 +110,7 @@ class _HeadDeadline:
             self.transport.close()
 
 
-class H11HeadDeadline(_HeadDeadline, H11Protocol):
+class H11Deadlines(ConnectionDeadlines, H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:  # past IDLE: the head has been parsed
@@ -93,7 +119,7 @@ class H11HeadDeadline(_HeadDeadline, H11Protocol):
 
 if HttpToolsProtocol is not None:
 
-    class HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
+    class HttpToolsDeadlines(ConnectionDeadlines, HttpToolsProtocol):
         def on_headers_complete(self) -> None:
             self.disarm_head_timer()
             super().on_headers_complete()
@@ -102,8 +128,9 @@ if HttpToolsProtocol is not None:
             return not self.pipeline  # a pipelined head is parsed already
 
 
-def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+def deadline_protocol(head_timeout_s: float, send_timeout_s: float) -> type[asyncio.Protocol]:
     """httptools' protocol when it is installed (uvicorn's own choice), else h11's, closing
-    connections whose request head takes longer than timeout_s."""
-    base: Any = HttpToolsHeadDeadline if HttpToolsProtocol is not None else H11HeadDeadline
-    return type(base.__name__, (base,), {"head_timeout_s": timeout_s})
+    connections whose request head takes longer than head_timeout_s and resetting those whose
+    finished answer is not read for send_timeout_s."""
+    base: Any = HttpToolsDeadlines if HttpToolsProtocol is not None else H11Deadlines
+    return type(base.__name__, (base,), {"head_timeout_s": head_timeout_s, "send_timeout_s": send_timeout_s})
