@@ -347,6 +347,8 @@ static inline __attribute__((always_inline)) void integer_rows(const struct pack
     }
 }
 
+#include "packed_row512.c"
+
 static void integer_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                            int num_threads) {
     const int64_t cols = w->cols, n_dim = w->rows, blocks = cols / 32;
@@ -354,6 +356,11 @@ static void integer_linear(const struct packed_weight *w, const float *x, const 
     int8_t xq[m_dim * cols];
     float dx[m_dim * blocks], xsum[m_dim * blocks];
     quantize_rows(x, m_dim, cols, xq, dx, xsum);
+    if (ROW512 && q4 && m_dim == 1) { /* single-stream q4 decode: the AVX-512 form */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t n = 0; n < n_dim; ++n) y[n] = integer_row512(w, n, xq, dx, xsum) + (bias ? bias[n] : 0.0f);
+        return;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < n_dim; ++n) {
         const float b = bias ? bias[n] : 0.0f;
@@ -431,6 +438,11 @@ static void widened_linear(const struct packed_weight *w, const float *x, const 
     const int q4 = w->kind == WK_Q4;
     float xsum[m_dim * blocks];
     block_sums(x, m_dim, cols, xsum);
+    if (ROW512 && q4 && m_dim == 1) { /* single-stream q4 decode: the AVX-512 form */
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t n = 0; n < n_dim; ++n) y[n] = widened_row512(w, n, x, xsum) + (bias ? bias[n] : 0.0f);
+        return;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < n_dim; ++n) {
         const float b = bias ? bias[n] : 0.0f;
