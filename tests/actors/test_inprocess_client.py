@@ -93,7 +93,7 @@ def test_a_refused_request_fails_alone(client: InProcessClient, smollm) -> None:
 def test_a_grammar_that_cannot_compile_is_refused_before_any_work(client: InProcessClient) -> None:
     """A direct client's (not only the gateway's) invalid grammar is the caller's ValueError,
     named, before the request reaches the engine."""
-    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="a(b"))
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="direct-client-(b"))
 
     async def run() -> str:
         with pytest.raises(ValueError, match="^structured_outputs: invalid regex") as refused:
