@@ -38,6 +38,7 @@ def _python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.heavy  # not in make test-quick: two Python processes of their own
 def test_the_cpu_engine_runs_without_triton(tmp_path: Path) -> None:
     model = build_tiny_chat_model(tmp_path / "tiny")
     code = f"""

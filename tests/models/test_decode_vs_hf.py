@@ -15,9 +15,17 @@ from cadenza_testkit.tiny_models import TINY, TINY_CONFIGS
 from cadenza import LLM, SamplingParams
 from cadenza.kernels.cpu.decode_stack import decode_layers_available
 
+# Triton's kernels run under its interpreter on the CPU, a few seconds a family: one family
+# stays in make test-quick as the smoke case, the others are heavy (make test runs them all).
+QUICK_TRITON = "llama_gqa_tied"
+DECODE_CASES = [
+    pytest.param(kind, kernels, marks=[pytest.mark.heavy] if kernels == "triton" and kind != QUICK_TRITON else [])
+    for kind in sorted(TINY_CONFIGS)
+    for kernels in ("cpu", "torch", "triton")
+]
 
-@pytest.mark.parametrize("kernels", ["cpu", "torch", "triton"])
-@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+
+@pytest.mark.parametrize(("kind", "kernels"), DECODE_CASES)
 def test_greedy_decode_steps_match_hf(tiny_model, monkeypatch: pytest.MonkeyPatch, kind: str, kernels: str) -> None:
     if kernels == "cpu" and not decode_layers_available():
         pytest.skip("no C compiler: the CPU kernels cannot be built here")
