@@ -71,13 +71,16 @@ static inline float exp_vec(float x) {
     return p * scale;
 }
 
+/* One row of silu(gate) * up. Kept out of line: inlined into the loop over rows, gcc 12
+ * vectorised that loop into strided accesses and ran 10x slower (3.3 ms against 0.34 ms for
+ * SmolLM2's 512 x 1536 on one Xeon core; 4 ns an element at one row too). */
+__attribute__((noinline)) static void silu_row(const float *restrict gate, const float *restrict up,
+                                               float *restrict o, int64_t inter) {
+    for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.0f + exp_vec(-gate[i])) * up[i];
+}
+
 /* x [rows, 2 * inter] = [gate | up] -> out [rows, inter] = silu(gate) * up. */
 void silu_and_mul(const float *x, float *out, int64_t rows, int64_t inter, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *gate = x + r * 2 * inter, *up = gate + inter;
-        float *o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.0f + exp_vec(-gate[i])) * up[i];
-    }
+    for (int64_t r = 0; r < rows; ++r) silu_row(x + r * 2 * inter, x + (r * 2 + 1) * inter, out + r * inter, inter);
 }
