@@ -13,7 +13,7 @@
  * Built for the host by -march=native; hosts without AVX512-BW take the AVX2 forms.
  * Measured on a 2-core Sapphire Rapids Xeon (SmolLM2 Q4_1, 128 decode steps, three alternated
  * runs against the AVX2 forms): exact decode 1.33x, int8 x 1.12x. q8 stays on the AVX2 forms:
- * its 16-lane rows gained nothing there (the per-channel int8 rows are read-bound already).
+ * its 16-lane rows gained nothing measurable there (on-load int8, and the Q8_0 LM head).
  */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ROW512 1
@@ -25,7 +25,6 @@ static inline void q4_floats512(const uint8_t *qb, __m512 q[2]) {
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
 }
-
 
 /* The exact path's row n against one row of x. Two accumulators alternate blocks: one is
  * bound by the FMA's latency. */
