@@ -149,9 +149,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         # Tied models get their own copy, so its method may re-lay it out (see kernels/linear).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("cos_sin", cos_sin_cache(cfg, max_positions), persistent=False)
-        # Gemma 3's sliding layers turn at their own base (None for every other family).
-        self.register_buffer("cos_sin_local", local_cos_sin_cache(cfg, max_positions), persistent=False)
+        # Computed on the CPU even when built on the meta device: arange there goes through
+        # torch's decompositions, which import torch._dynamo and with it Triton (~1 s of start-up
+        # and ~100 MB resident in every engine process, for a cache build_model replaces anyway).
+        with torch.device("cpu"):
+            self.register_buffer("cos_sin", cos_sin_cache(cfg, max_positions), persistent=False)
+            # Gemma 3's sliding layers turn at their own base (None for every other family).
+            self.register_buffer("cos_sin_local", local_cos_sin_cache(cfg, max_positions), persistent=False)
         self.is_first_stage = self.is_last_stage = True
         self.tp: TPGroup = SINGLE
         self.vocab_start = 0  # this rank's first vocab row (vocab-parallel embedding)
