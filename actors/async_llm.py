@@ -82,6 +82,11 @@ class AsyncLLM(StreamingClient):
         self._engine_restarts = 0
         self._restarting = False  # a replacement engine is starting
 
+    @property
+    def num_engine_restarts(self) -> int:
+        """Engine actors replaced so far: a new one starts with an empty prefix cache."""
+        return self._engine_restarts
+
     async def stats(self) -> ServingStats:
         self._check_alive()
         stats = await self._call("stats")

@@ -22,7 +22,8 @@ import ray
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from ray.exceptions import RayActorError
+
+from cadenza.gateway.named_actor import NamedActorClient
 
 ACTOR_PREFIX = "cadenza-metrics-board"
 # A replica silent for this many intervals is left out of the merged view.
@@ -49,25 +50,18 @@ class _BoardActor:
         return {replica: text for replica, (_, text) in self.posts.items()}
 
 
-class MetricsBoard:
+class MetricsBoard(NamedActorClient):
     """One replica's side: post its metrics on a timer, and merge everyone's for a scrape.
     `render` is bound by the app (start), which owns the metrics."""
 
     def __init__(self, name: str, replica: str, interval_s: float) -> None:
-        self.name, self.replica, self.interval_s = name, replica, interval_s
-        self.actor = self._connect()
+        self.replica, self.interval_s = replica, interval_s
+        super().__init__(name)
         self.task: asyncio.Task | None = None
         self.render: Callable[[], Awaitable[bytes]] | None = None
 
     def _connect(self) -> Any:  # noqa: ANN401 - a Ray actor handle
         return _BoardActor.options(name=self.name, lifetime="detached", get_if_exists=True).remote()
-
-    async def _call(self, method: str, *args: Any) -> Any:  # noqa: ANN401
-        try:
-            return await getattr(self.actor, method).remote(*args)
-        except RayActorError:
-            self.actor = self._connect()
-            return await getattr(self.actor, method).remote(*args)
 
     def bind(self, render: Callable[[], Awaitable[bytes]]) -> None:
         self.render = render

@@ -32,6 +32,8 @@ from cadenza.actors.async_llm import AsyncLLM
 from cadenza.actors.disaggregated import DisaggregatedLLM, parse_disaggregation
 from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
+from cadenza.gateway.kv_directory import KVDirectory, directory_name
+from cadenza.gateway.peer_kv import PeerKVEngine
 from cadenza.gateway.replica_metrics import MetricsBoard, board_name
 from cadenza.gateway.settings import GatewaySettings
 from cadenza.gateway.shared_store import SharedStore, store_name
@@ -59,7 +61,14 @@ class CadenzaDeployment:
         self.settings = GatewaySettings(**gateway_with_env_key(gateway))
         # With disaggregation ("1P1D", ...) the replica's engine is that many prefill and decode
         # engines (actors/disaggregated.py), served as one.
-        self.engine = DisaggregatedLLM(model, disaggregation, **engine) if disaggregation else AsyncLLM(model, **engine)
+        llm = DisaggregatedLLM(model, disaggregation, **engine) if disaggregation else AsyncLLM(model, **engine)
+        # A prompt starts from KV another replica cached, pulled across (gateway/peer_kv.py).
+        self.directory: KVDirectory | None = None
+        s = self.settings
+        if isinstance(llm, AsyncLLM) and llm.config.enable_prefix_caching and s.kv_pull_min_tokens > 0:
+            self.directory = KVDirectory(directory_name(self.app_name, self.model_name))
+            llm = PeerKVEngine(llm, self.directory, self.replica_id, s.kv_pull_min_tokens, s.kv_pull_timeout_s)
+        self.engine = llm
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         # The Host check is on only where gateway.allowed_hosts names the hosts: clients reach
@@ -85,6 +94,8 @@ class CadenzaDeployment:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        if getattr(self, "directory", None) is not None:
+            self.directory.actor.forget.remote(self.replica_id)  # its KV goes with it
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

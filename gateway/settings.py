@@ -206,6 +206,17 @@ class GatewaySettings:
         "under Ray Serve: how often each replica posts its metrics, so /metrics on any replica answers for all "
         "(each sample labelled `replica`; a replica silent for 3 intervals is left out)",
     )
+    kv_pull_min_tokens: int = setting(
+        64,
+        "responses",
+        "under Ray Serve: a prompt whose cached prefix on another replica is at least this many tokens longer "
+        "than on its own pulls that KV across (gateway/peer_kv.py) instead of recomputing it; 0 turns pulls off",
+    )
+    kv_pull_timeout_s: float = setting(
+        5.0,
+        "responses",
+        "under Ray Serve: a KV pull from another replica slower than this is dropped and the prefix recomputed",
+    )
     metrics_prefix: str = setting(
         "cadenza",
         "observability",
@@ -243,12 +254,14 @@ class GatewaySettings:
         if self.max_queued_requests < 0 or self.response_store_ttl_s <= 0:
             raise ValueError("max_queued_requests must be >= 0 and response_store_ttl_s > 0")
         timeouts = ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s", "response_log_ttl_s")
-        for name in (*timeouts, "metrics_push_interval_s"):
+        for name in (*timeouts, "metrics_push_interval_s", "kv_pull_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.tool_call_parser not in ("auto", *PARSERS):
             choices = ", ".join(PARSERS)
             raise ValueError(f"tool_call_parser must be auto or one of {choices}, got {self.tool_call_parser!r}")
+        if self.kv_pull_min_tokens < 0:
+            raise ValueError(f"kv_pull_min_tokens must be >= 0, got {self.kv_pull_min_tokens}")
         if self.sse_keep_alive_s < 0:
             raise ValueError(f"sse_keep_alive_s must be >= 0, got {self.sse_keep_alive_s}")
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):

@@ -23,8 +23,8 @@ import logging
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 
+from cadenza.gateway.named_actor import NamedActorClient
 from cadenza.gateway.response_store import Conversation, ResponseStore, StoredResponse
 
 ACTOR_PREFIX = "cadenza-response-store"
@@ -55,23 +55,14 @@ class _StoreActor:
         return self.store.bytes
 
 
-class SharedStore:
+class SharedStore(NamedActorClient):
     def __init__(self, max_size: int, ttl_s: float, max_bytes: int, name: str) -> None:
-        self.name, self.args = name, (max_size, ttl_s, max_bytes)
-        self.actor = self._connect()
+        self.args = (max_size, ttl_s, max_bytes)
+        super().__init__(name)
 
-    def _connect(self) -> Any:
-        """The named actor, created if there is none (a first replica, or the last one died)."""
+    def _connect(self) -> Any:  # noqa: ANN401 - a Ray actor handle
         options = _StoreActor.options(name=self.name, lifetime="detached", get_if_exists=True)
         return options.remote(*self.args)
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return await getattr(self.actor, method).remote(*args)
-        except RayActorError:
-            log.warning("the response store %s is gone; starting it again, empty", self.name)
-            self.actor = self._connect()
-            return await getattr(self.actor, method).remote(*args)
 
     async def get(self, response_id: str, tenant: str | None) -> Conversation | None:
         return await self._call("get", response_id, tenant)

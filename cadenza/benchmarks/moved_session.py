@@ -1,65 +1,101 @@
-"""Recompute vs copy for a session the router moves: TTFT of a continuation with its
-prefix cached (the same replica) and recomputed (a fresh engine, as on another replica), and
-a Ray object-store round trip of the prefix's KV bytes (what copying them would move).
+"""A conversation the router moves to another replica: time to first token of its next turn
+where its prefix is cached (the same replica), recomputed (another replica, no pull) and pulled
+from the replica that cached it (gateway/peer_kv.py: the KV directory, an export, an import),
+all in one run. Each figure is the median of `--reps`; a rep's cache salt keeps its prefix
+apart from the others', so every recompute and every pull starts from nothing.
 
-    python -m cadenza.benchmarks.moved_session > docs/bench/moved_session.json
+    cadenza bench moved-session > docs/bench/moved_session.json
 """
 
+from __future__ import annotations
+
+import argparse
+import asyncio
 import json
+import os
+import statistics
 import time
 from typing import Any
 
-import numpy as np
 import ray
 
-from cadenza.actors.llm import LLM
+from cadenza.actors.async_llm import AsyncLLM
+from cadenza.actors.local_ray import init_local_ray
 from cadenza.benchmarks.offline import measure_gemm_gflops, measure_read_gbps
+from cadenza.config import DEFAULT_MODEL
+from cadenza.engine_client import TokensPrompt
+from cadenza.gateway.kv_directory import KVDirectory
+from cadenza.gateway.peer_kv import PeerKVEngine
 from cadenza.sampling_params import SamplingParams
 
 HISTORY = [{"role": "user", "content": "Here is a long document about lighthouses. " * 60}]
+FIRST_TURN = SamplingParams(temperature=0, max_tokens=16)
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 
 
-def _ttft(engine: LLM, turn: list[dict[str, Any]]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = engine.chat([turn], ONE_TOKEN, use_tqdm=False)[0]
-    return time.perf_counter() - start, out
+def add_moved_session_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--num-blocks", type=int, default=1024)
 
 
-def _object_store_round_trip(num_bytes: int) -> float:
-    """put + get of that many bytes through the local object store (a copy's floor)."""
-    ray.init(num_cpus=1, include_dashboard=False)
-    try:
-        payload = np.ones(num_bytes // 4, dtype=np.float32)
-        start = time.perf_counter()
-        ray.get(ray.put(payload))
-        return time.perf_counter() - start
-    finally:
-        ray.shutdown()
+async def _ttft(
+    engine: AsyncLLM | PeerKVEngine, ids: list[int], salt: str, params: SamplingParams = ONE_TOKEN
+) -> tuple[float, int, list[int]]:
+    """Seconds to the first token, the prompt's cached tokens, and the tokens."""
+    start, first, cached, out = time.perf_counter(), None, 0, []
+    async for delta in engine.generate(TokensPrompt(ids), params, cache_salt=salt):
+        first = first if first is not None else time.perf_counter() - start
+        cached, out = delta.num_cached_tokens, out + delta.outputs[0].token_ids
+    assert first is not None
+    return first, cached, out
 
 
-def main() -> None:
-    machine = {"gemm_gflops": measure_gemm_gflops(), "read_gbps": measure_read_gbps()}
-    llm = LLM(num_blocks=1024)
-    first = llm.chat([HISTORY], SamplingParams(temperature=0, max_tokens=16))[0]
-    reply = {"role": "assistant", "content": first.outputs[0].text}
-    turn = [*HISTORY, reply, {"role": "user", "content": "Summarise it."}]
-    cached_s, out = _ttft(llm, turn)
-    recompute_s, moved = _ttft(LLM(num_blocks=1024), turn)  # another replica: nothing cached
-    cfg = llm.engine.model_config
-    kv_bytes = out.num_cached_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
-    result = {
-        "machine": machine,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "cached_tokens_same_replica": out.num_cached_tokens,
-        "cached_tokens_moved": moved.num_cached_tokens,
-        "ttft_cached_s": cached_s,
-        "ttft_recomputed_s": recompute_s,
-        "prefix_kv_bytes_fp32": kv_bytes,
-        "object_store_put_get_s": _object_store_round_trip(kv_bytes),
+def _render(engine: AsyncLLM, messages: list[dict[str, Any]]) -> list[int]:
+    tok = engine.get_tokenizer()
+    return tok.encode_chat(tok.render_chat(messages))
+
+
+async def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    # Three engines of one CPU each: more logical CPUs than AsyncLLM's own instance would take.
+    init_local_ray(4, logging_level="error")
+    directory = KVDirectory(f"cadenza-kv-directory:bench:{os.getpid()}")
+    engines = [AsyncLLM(args.model, num_blocks=args.num_blocks) for _ in range(3)]
+    home, other, puller = engines
+    home_peer = PeerKVEngine(home, directory, "home", min_tokens=64, timeout_s=60)
+    pulling = PeerKVEngine(puller, directory, "moved", min_tokens=64, timeout_s=60)
+    first_ids = _render(home, HISTORY)
+    reply = home.get_tokenizer().decode((await _ttft(home_peer, first_ids, "warm", FIRST_TURN))[2])
+    follow_up = [{"role": "assistant", "content": reply}, {"role": "user", "content": "Summarise it."}]
+    turn = _render(home, [*HISTORY, *follow_up])
+    for engine in (other, pulling):  # first-call costs out of the figures
+        await _ttft(engine, turn[:32], "warm")
+    cached, recomputed, moved = [], [], []
+    for rep in range(args.reps):
+        salt = f"rep-{rep}"
+        await _ttft(home_peer, first_ids, salt, FIRST_TURN)  # the first turn, cached (and published) at home
+        moved.append(await _ttft(pulling, turn, salt))  # before the home runs (and holds) the turn itself
+        cached.append(await _ttft(home_peer, turn, salt))
+        recomputed.append(await _ttft(other, turn, salt))
+    for engine in engines:
+        engine.shutdown()
+    ray.kill(directory.actor)
+    median = lambda runs: statistics.median(r[0] for r in runs)  # noqa: E731
+    return {
+        "prompt_tokens": len(turn),
+        "cached_tokens": {"same_replica": cached[-1][1], "recomputed": recomputed[-1][1], "pulled": moved[-1][1]},
+        "same_tokens_pulled_as_cached": all(m[2] == c[2] for m, c in zip(moved, cached, strict=True)),
+        "ttft_cached_s": median(cached),
+        "ttft_recomputed_s": median(recomputed),
+        "ttft_pulled_s": median(moved),
+        "pulled_over_recomputed": median(moved) / median(recomputed),
+        "pull_s_mean": pulling.transfer.seconds / max(pulling.transfer.num_handoffs, 1),
+        "blocks_pulled": pulling.transfer.num_blocks_imported,
+        "bytes_pulled": pulling.transfer.num_bytes,
+        "reps": args.reps,
     }
-    print(json.dumps(result, indent=1))
 
 
-if __name__ == "__main__":
-    main()
+def run_moved_session_bench(args: argparse.Namespace) -> None:
+    machine = {"gemm_gflops": measure_gemm_gflops(), "read_gbps": measure_read_gbps()}
+    print(json.dumps({"machine": machine, **asyncio.run(_measure(args))}, indent=1))

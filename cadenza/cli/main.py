@@ -104,6 +104,13 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_moved_session(args: argparse.Namespace) -> int:
+    from cadenza.benchmarks.moved_session import run_moved_session_bench
+
+    run_moved_session_bench(args)
+    return 0
+
+
 def cmd_bench_formats(args: argparse.Namespace) -> int:
     from cadenza.benchmarks.formats import run_formats_bench
 
@@ -211,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_structured_args(structured)
     structured.set_defaults(func=cmd_bench_structured)
+    moved = bench_sub.add_parser("moved-session", help="a moved conversation's TTFT: cached, recomputed, KV pulled")
+    from cadenza.benchmarks.moved_session import add_moved_session_args
+
+    add_moved_session_args(moved)
+    moved.set_defaults(func=cmd_bench_moved_session)
     gpu = sub.add_parser("gpu-check", help="every Triton kernel and the whole model on CUDA, against torch (JSON)")
     from cadenza.benchmarks.gpu_check_args import add_gpu_check_args
 

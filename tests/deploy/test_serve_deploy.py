@@ -118,27 +118,56 @@ def _replicas_in_metrics(url: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_moved_session_continues_with_previous_response_id(two_replicas: str) -> None:
-    """The conversation store is shared: a turn the router sends to the other replica still
-    finds its history there (and recomputes its prefix KV, having none of it cached)."""
+def test_a_moved_session_continues_with_its_kv_pulled_from_the_old_replica(two_replicas: str) -> None:
+    """The conversation store and the KV directory are shared: a turn the router sends to the
+    other replica finds its history there and pulls its prefix KV from the replica that
+    computed it (gateway/peer_kv.py), then answers the same greedy tokens as at home."""
     client = openai.OpenAI(base_url=two_replicas + "/v1", api_key="none")
-    ask = dict(model="tiny", max_output_tokens=4, temperature=0)
-    raw = client.responses.with_raw_response.create(
-        input="My name is Ada.", extra_headers={"x-session-id": "ada"}, **ask
-    )
+    ask = dict(model="tiny", max_output_tokens=8, temperature=0)
+    document = "My name is Ada and I keep the lighthouse on the northern cape. " * 12
+    raw = client.responses.with_raw_response.create(input=document, extra_headers={"x-session-id": "ada"}, **ask)
     home, first = raw.headers["x-cadenza-replica"], raw.parse()
+    assert first.usage.input_tokens >= 128
+    follow = dict(input="What is my name?", previous_response_id=first.id, **ask)
     for i in range(20):  # new session ids go to the replica home to fewer sessions: soon the other
-        raw = client.responses.with_raw_response.create(
-            input="What is my name?", previous_response_id=first.id, extra_headers={"x-session-id": f"moved-{i}"}, **ask
-        )
+        raw = client.responses.with_raw_response.create(extra_headers={"x-session-id": f"moved-{i}"}, **follow)
         if raw.headers["x-cadenza-replica"] != home:
             break
     assert raw.headers["x-cadenza-replica"] != home
     moved = raw.parse()
     assert moved.previous_response_id == first.id and moved.usage.input_tokens > first.usage.input_tokens
-    # No KV of this conversation there: its first turn is recomputed (a shared system-prompt
-    # block may still hit the new replica's cache).
-    assert moved.usage.input_tokens_details.cached_tokens < (first.usage.input_tokens // 16) * 16
+    # The first turn's full blocks came across: its prompt's, at least (the output's last
+    # block may be partial, and the last prompt token always runs).
+    assert moved.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens // 16) * 16
+    raw = client.responses.with_raw_response.create(extra_headers={"x-session-id": "ada"}, **follow)
+    assert raw.headers["x-cadenza-replica"] == home
+    assert moved.output_text == raw.parse().output_text  # the same greedy tokens as unmoved
+    replica, stats = _stats(two_replicas, f"moved-{i}")
+    pulls = stats["engine"]["kv_transfer"]
+    assert replica != home and pulls["num_handoffs"] >= 1 and pulls["num_blocks_imported"] > 0
+
+
+@pytest.mark.slow
+def test_a_new_conversation_on_a_shared_document_starts_from_the_other_replicas_kv(two_replicas: str) -> None:
+    """Without the session, the router cannot know where a prompt's prefix is cached; the
+    replica it lands on asks the KV directory and pulls it."""
+    document = "The keeper logs the wind, the tide and every passing ship in the ledger. " * 10
+    turn = lambda question: [{"role": "system", "content": document}, {"role": "user", "content": question}]  # noqa: E731
+    home, first = _chat(two_replicas, turn("Who keeps the ledger?"), "reader-0")
+    for i in range(1, 20):  # new session ids go to the replica home to fewer sessions: soon the other
+        replica, other = _chat(two_replicas, turn(f"What is logged, question {i}?"), f"reader-{i}")
+        if replica != home:
+            break
+    assert replica != home
+    shared = (first["usage"]["prompt_tokens"] - 24) // 16 * 16  # the document's blocks, before the question
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared > 0
+
+
+def _chat(url: str, messages: list[dict], session: str) -> tuple[str, dict]:
+    body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json", "x-session-id": session}
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body, headers), timeout=60) as r:
+        return r.headers["x-cadenza-replica"], json.loads(r.read())
 
 
 def _stats(url: str, session: str) -> tuple[str, dict]:

@@ -1,0 +1,131 @@
+"""PeerKVEngine: a Serve replica's engine that starts a prompt from KV another replica cached.
+
+Before a prompt runs, the KV directory (gateway/kv_directory.py) says whether another replica
+holds a leading run of its blocks at least `kv_pull_min_tokens` longer than this one's (a short
+pull costs more than the tokens it saves); if so, that replica's engine exports those blocks and
+this one imports them into its prefix cache through the KV connector (actors/kv_connector), the
+hand-over prefill/decode disaggregation uses, and the request computes only the rest (its
+`cached_tokens` counts them). Why pull rather than route to the holder: Serve's router sees a
+request's metadata, never its body, so it cannot know a prompt's blocks; the replica holding
+the body can, and pulling a 640-token prefix took a fifth of the time recomputing it did
+(docs/bench/moved_session.json). The session router still keeps a conversation where it is
+whenever it can, so a pull is the exception: a moved conversation, or a shared document.
+
+A pull that fails or takes longer than `kv_pull_timeout_s` is dropped and the request
+recomputes; the request never fails for it. After each request the replica publishes the
+blocks it computed (prompt and output) before the request's stream ends (about a millisecond),
+so a client holding a whole answer can send the next turn anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from cadenza.actors.async_llm import AsyncLLM
+from cadenza.actors.kv_connector.engine_port import prefix_hashes
+from cadenza.engine_client import TokensPrompt
+from cadenza.gateway.kv_directory import KVDirectory
+from cadenza.outputs import RequestOutput
+from cadenza.sampling_params import SamplingParams
+from cadenza.stats import KVTransferStats, ServingStats
+
+log = logging.getLogger(__name__)
+
+
+class PeerKVEngine:
+    """An AsyncLLM (prefix caching on) whose prompts may start from a peer replica's KV. Every
+    attribute but generate and stats is the engine's own."""
+
+    def __init__(
+        self, engine: AsyncLLM, directory: KVDirectory, replica: str, min_tokens: int, timeout_s: float
+    ) -> None:
+        self.engine, self.directory, self.replica = engine, directory, replica
+        self.block_size = engine.config.block_size
+        self.min_blocks = max(1, -(-min_tokens // self.block_size))  # whole blocks, rounded up
+        self.timeout_s = timeout_s
+        self.transfer = KVTransferStats()  # pulls: blocks imported from peers, and fallbacks
+        self._tasks: set[asyncio.Task] = set()
+
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - whatever the engine holds
+        return getattr(self.engine, name)
+
+    async def generate(
+        self,
+        prompt: TokensPrompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        pace: bool = False,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        ids = prompt.token_ids
+        await self._pull(ids, cache_salt)
+        out_ids: list[int] = []
+        stream = self.engine.generate(prompt, sampling_params, request_id, priority, pace, cache_salt, session_id)
+        try:
+            async for out in stream:
+                if len(out.outputs) == 1:
+                    out_ids += out.outputs[0].token_ids
+                yield out
+        except BaseException:  # failed or abandoned: what it computed is published in the background
+            self._publish_later(self._computed(ids, out_ids, cache_salt))
+            raise
+        # Before the caller's loop ends, so a client that has the whole answer may send the next
+        # turn anywhere and have it find these blocks.
+        await self._publish(self._computed(ids, out_ids, cache_salt))
+
+    def _computed(self, ids: list[int], out_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The hashes of the full blocks whose KV exists: the last sampled token was never fed back."""
+        return prefix_hashes(ids + out_ids[:-1], self.block_size, cache_salt)
+
+    async def _pull(self, ids: list[int], cache_salt: str | None) -> None:
+        hashes = prefix_hashes(ids[:-1], self.block_size, cache_salt)  # the last token always runs
+        if len(hashes) < self.min_blocks:
+            return
+        start, peer = time.monotonic(), None
+        try:
+            found = await asyncio.wait_for(self.directory.locate(self.replica, hashes, self.min_blocks), self.timeout_s)
+            if found is None:
+                return
+            peer, peer_engine, _ = found
+            handoff, refs = await asyncio.wait_for(peer_engine.export_kv.remote(ids, cache_salt), self.timeout_s)
+            if handoff.block_hashes:
+                done = await asyncio.wait_for(self.engine.import_kv(handoff, refs), self.timeout_s)
+                self.transfer.num_blocks_imported += done.num_imported
+                self.transfer.num_blocks_skipped += done.num_skipped
+                self.transfer.num_bytes += done.num_bytes
+            self.transfer.num_handoffs += 1
+            log.info("pulled %d blocks of KV from replica %s", len(handoff.block_hashes), peer)
+        except Exception as e:  # the request goes on and recomputes the prefix
+            self.transfer.num_fallbacks += 1
+            log.warning("KV pull from replica %s failed, recomputing: %s: %s", peer, type(e).__name__, e)
+            if isinstance(e, RayActorError) and peer is not None:  # its engine is gone: no one asks it again
+                await self.directory.forget(peer)
+        self.transfer.seconds += time.monotonic() - start
+
+    async def _publish(self, hashes: list[bytes]) -> None:
+        if not hashes:
+            return
+        engine = self.engine
+        publish = self.directory.publish(self.replica, engine.num_engine_restarts, engine.engine, hashes)
+        try:
+            await asyncio.wait_for(publish, self.timeout_s)
+        except Exception as e:  # a missed publication only makes this KV harder to find
+            log.warning("publishing KV blocks to the directory failed: %s: %s", type(e).__name__, e)
+
+    def _publish_later(self, hashes: list[bytes]) -> None:
+        task = asyncio.ensure_future(self._publish(hashes))
+        self._tasks.add(task)  # held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    async def stats(self) -> ServingStats:
+        stats = await self.engine.stats()
+        stats.kv_transfer = self.transfer
+        return stats
