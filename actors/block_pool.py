@@ -10,7 +10,9 @@ prefix finds it. Allocation prefers, in order:
   3. the least recently freed cached block, whose hash is evicted (the prefix cache's LRU).
 So a cached block is only evicted when no uncached or untouched block is free, and the
 touched part of the pool grows only with the number of blocks in use at once, never with
-churn (a plain LRU queue would cycle through, and touch, every block).
+churn (a plain LRU queue would cycle through, and touch, every block). With prefix caching
+off, a block drops its hash when its last holder frees it (release's keep_cached), so it joins
+the reusable blocks rather than waiting, cached for no one, while fresh ones are touched.
 """
 
 from __future__ import annotations
@@ -84,13 +86,18 @@ class BlockPool:
                 del self.free[block.block_id]
             block.ref_cnt += 1
 
-    def release(self, blocks: list[KVBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the queue's back in the given order."""
+    def release(self, blocks: list[KVBlock], keep_cached: bool = True) -> None:
+        """Drop one reference each; blocks reaching zero join the queue's back in the given order.
+        keep_cached=False forgets the hash of a block no one holds any more (prefix caching off:
+        a hash lives only while siblings of one prompt share it), so the block is reused first
+        rather than kept while never-used blocks are touched."""
         for block in blocks:
             assert block.ref_cnt > 0, f"block {block.block_id} released more often than taken"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free[block.block_id] = block
+                if not keep_cached and block.block_hash is not None:
+                    self._unhash(block)  # not an eviction: nothing was cached for later
                 if block.block_hash is None:
                     self.warm[block.block_id] = block
 
@@ -118,9 +125,12 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
+        self._unhash(block)
+        self.evictions += 1
+
+    def _unhash(self, block: KVBlock) -> None:
         del self.cached[block.block_hash]
         block.block_hash = None
-        self.evictions += 1
 
     def stats(self) -> BlockPoolStats:
         used = self.num_blocks - self.num_free_blocks

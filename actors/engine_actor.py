@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from cadenza.actors import codec
+from cadenza.actors.heap_trim import trim_heap
 from cadenza.actors.kv_connector.engine_port import EnginePort
 from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport
 from cadenza.actors.local_ray import unnice_worker
@@ -178,6 +179,7 @@ class EngineActor:
         while True:
             if not self.core.has_work():
                 self._has_work.clear()
+                trim_heap()  # idle after work: what the batch's buffers freed goes back to the OS
                 await self._has_work.wait()
                 continue
             await self._step()

@@ -158,7 +158,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so a prefix outlives its own suffix in the cache."""
         blocks = self.blocks.pop(req.request_id, [])
-        self.pool.release([b for b in blocks[::-1] if b is not DROPPED])
+        self.pool.release([b for b in blocks[::-1] if b is not DROPPED], keep_cached=self.enable_prefix_caching)
         self.num_published.pop(req.request_id, None)
         self.num_dropped.pop(req.request_id, None)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from cadenza.actors import codec
 from cadenza.actors.device_samples import PendingOutput, landed
+from cadenza.actors.heap_trim import trim_heap
 from cadenza.actors.kv_connector.blocks import gather_blocks, scatter_blocks
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
@@ -102,6 +103,7 @@ class Worker:
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         link = StageLink.for_rank(self._tp_rank, self.spec.pp_rank, tp, pp)
         self.runner = build_runner(cfg, self._loaded, num_blocks, eos, is_driver, link)
+        trim_heap()  # the loader's dense and packed copies were freed: give their pages back
 
     def _join_group(self, dist_url: str) -> TPGroup:
         cfg, spec = self.spec.config, self.spec

@@ -113,6 +113,20 @@ def test_churn_with_a_small_working_set_touches_few_blocks() -> None:
     assert pool.stats().num_touched_blocks == 5
 
 
+def test_with_caching_off_finished_requests_reuse_their_blocks() -> None:
+    """Prefix caching off (peers' served workload): blocks still carry hashes while a prompt's
+    siblings may share them, but a freed one drops its hash, so the next requests reuse it
+    instead of touching (and paging in) fresh blocks until the whole pool is resident."""
+    kv = KVCacheManager(BlockPool(64), block_size=4, enable_prefix_caching=False)
+    for i in range(50):
+        req = make_request(f"r{i}", [100 * i + t for t in range(12)])
+        kv.allocate(req, 12)
+        compute(kv, req)
+        kv.forget(req)
+        kv.pool.check_invariants()
+    assert kv.pool.num_touched == 3 and kv.pool.stats().evictions == 0
+
+
 def test_reuse_is_most_recently_freed_first() -> None:
     pool = BlockPool(8)
     a, b, c = pool.allocate(1), pool.allocate(1), pool.allocate(1)
