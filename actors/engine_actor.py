@@ -118,6 +118,11 @@ class EngineActor:
         """The KV connector: the cached blocks of token_ids' prefix, for another engine."""
         return await self.port.export(token_ids, cache_salt)
 
+    async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[ray.ObjectRef]]:
+        """The KV connector: every block session pins hold (and those of `also` still cached),
+        for the engine taking over (a drain)."""
+        return await self.port.export_pinned(also)
+
     async def import_kv(self, handoff: KVHandoff, refs: list[ray.ObjectRef]) -> KVImport:
         """The KV connector: another engine's blocks into this prefix cache (held ones skipped)."""
         return await self.port.import_(handoff, refs)

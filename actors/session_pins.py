@@ -64,6 +64,15 @@ class SessionPins:
         entry = self._pins.get((tenant, session))
         return [b.block_id for b in entry[0]] if entry else []
 
+    def pinned_blocks(self) -> list[KVBlock]:
+        """Every pinned block once, the most recently pinned sessions' first (a drain hands
+        these over: what conversations will come back for)."""
+        seen: dict[int, KVBlock] = {}
+        for blocks, _ in reversed(self._pins.values()):
+            for block in blocks:
+                seen.setdefault(block.block_id, block)
+        return list(seen.values())
+
     def pin(self, session: str, blocks: list[KVBlock], tenant: str | None = None) -> None:
         """Hold `blocks` (cached, in prefix order) for the tenant's session, replacing its last pin."""
         if self.ttl_s <= 0 or self.max_blocks <= 0:

@@ -40,6 +40,8 @@ class _DirectoryActor:
     def __init__(self) -> None:
         # replica -> (its engine's generation, its engine actor, the hashes it published)
         self.replicas: dict[str, tuple[int, Any, HashIndex]] = {}
+        self.hand_overs: list[tuple[str, str, int]] = []  # (from, to, blocks), as drains report them
+        self.received: dict[str, list[bytes]] = {}  # replica -> hashes handed to it (it passes them on)
 
     def publish(self, replica: str, generation: int, engine: Any, hashes: list[bytes]) -> None:  # noqa: ANN401
         entry = self.replicas.get(replica)
@@ -59,8 +61,28 @@ class _DirectoryActor:
                 best = (name, engine, run)
         return best
 
-    def forget(self, replica: str) -> None:
+    def forget(self, replica: str) -> list[bytes]:
+        """Drops the replica; returns the hashes other replicas handed it as they drained."""
         self.replicas.pop(replica, None)
+        return self.received.pop(replica, [])
+
+    def others(self, replica: str) -> list[tuple[str, Any]]:  # noqa: ANN401
+        """The other replicas and their engines, those holding fewest blocks first."""
+        others = [(len(index.hashes), name, engine) for name, (_, engine, index) in self.replicas.items()]
+        return [(name, engine) for _, name, engine in sorted(others) if name != replica]
+
+    def hand_over(self, source: str, target: str, hashes: list[bytes]) -> None:
+        """`target` now holds `source`'s blocks `hashes` (imported as `source` drains)."""
+        if target in self.replicas:
+            self.replicas[target][2].add(hashes)
+            received = self.received.setdefault(target, [])
+            received += hashes
+            del received[:-MAX_HASHES_PER_REPLICA]
+        self.hand_overs.append((source, target, len(hashes)))
+        del self.hand_overs[:-64]  # the recent ones: for operators and tests
+
+    def recent_hand_overs(self) -> list[tuple[str, str, int]]:
+        return list(self.hand_overs)
 
     def replicas_known(self) -> list[str]:
         return sorted(self.replicas)
@@ -78,8 +100,11 @@ class KVDirectory(NamedActorClient):
     async def locate(self, replica: str, hashes: list[bytes], min_gain: int = 1) -> tuple[str, Any, int] | None:  # noqa: ANN401
         return await self._call("locate", replica, hashes, min_gain)
 
-    async def forget(self, replica: str) -> None:
-        await self._call("forget", replica)
+    async def forget(self, replica: str) -> list[bytes]:
+        return await self._call("forget", replica)
+
+    async def recent_hand_overs(self) -> list[tuple[str, str, int]]:
+        return await self._call("recent_hand_overs")
 
     async def replicas_known(self) -> list[str]:
         return await self._call("replicas_known")

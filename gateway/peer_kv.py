@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 
 from cadenza.actors.async_llm import AsyncLLM
@@ -36,6 +37,10 @@ from cadenza.sampling_params import SamplingParams
 from cadenza.stats import KVTransferStats, ServingStats
 
 log = logging.getLogger(__name__)
+# How long a draining replica with conversations waits for another to hand them to (within
+# Serve's graceful_shutdown_timeout_s, 30 s in deploy/serve_config.yaml): a rolling update may
+# stop the last old replica before its replacement's engine has started.
+HAND_OVER_WAIT_S = 10.0
 
 
 class PeerKVEngine:
@@ -51,6 +56,8 @@ class PeerKVEngine:
         self.timeout_s = timeout_s
         self.transfer = KVTransferStats()  # pulls: blocks imported from peers, and fallbacks
         self._tasks: set[asyncio.Task] = set()
+        # Known from the start, holding nothing: a replica that drains may hand its KV here.
+        directory.actor.publish.remote(replica, engine.num_engine_restarts, engine.engine, [])
 
     def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - whatever the engine holds
         return getattr(self.engine, name)
@@ -124,6 +131,40 @@ class PeerKVEngine:
         task = asyncio.ensure_future(self._publish(hashes))
         self._tasks.add(task)  # held until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
+
+    def hand_over(self) -> int:
+        """Before this replica stops (Serve's graceful shutdown calls the deployment's __del__,
+        after in-flight requests end): its pinned conversations' blocks into the prefix cache
+        of the replica holding fewest (a replica just started, in a rolling update), with the
+        blocks other draining replicas handed it, and the directory told, so their next turns
+        start from KV there. Blocking (the destructor is synchronous); each call bounded by the
+        pull timeout. Returns the blocks imported; 0 when no replica is left or anything failed."""
+        directory, bound = self.directory.actor, self.timeout_s
+        try:
+            # First out of the directory: no one pulls from, or hands over to, a replica leaving.
+            received = ray.get(directory.forget.remote(self.replica), timeout=bound)
+            handoff, refs = ray.get(self.engine.engine.export_pinned.remote(received), timeout=bound)
+            others = self._survivors(HAND_OVER_WAIT_S) if handoff.block_hashes else []
+            if not others:
+                return 0
+            target, engine = others[0]
+            done = ray.get(engine.import_kv.remote(handoff, refs), timeout=bound)
+            ray.get(directory.hand_over.remote(self.replica, target, handoff.block_hashes), timeout=bound)
+        except Exception as e:  # the conversations recompute where they land
+            log.warning("handing pinned KV over failed: %s: %s", type(e).__name__, e)
+            return 0
+        log.info("handed %d pinned KV blocks over to replica %s", done.num_imported, target)
+        return done.num_imported
+
+    def _survivors(self, wait_s: float) -> list[tuple[str, Any]]:
+        """The other replicas, waiting up to wait_s for one to start (a rolling update may
+        stop the last old replica before its replacement has started)."""
+        deadline = time.monotonic() + wait_s
+        while not (others := ray.get(self.directory.actor.others.remote(self.replica), timeout=self.timeout_s)):
+            if time.monotonic() >= deadline:
+                return []
+            time.sleep(0.2)
+        return others
 
     async def stats(self) -> ServingStats:
         stats = await self.engine.stats()

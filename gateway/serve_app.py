@@ -94,9 +94,9 @@ class CadenzaDeployment:
         await self.engine.check_health()
 
     def __del__(self) -> None:
-        if getattr(self, "directory", None) is not None:
-            self.directory.actor.forget.remote(self.replica_id)  # its KV goes with it
         engine = getattr(self, "engine", None)
+        if isinstance(engine, PeerKVEngine):  # out of the KV directory, its conversations' KV to a survivor
+            engine.hand_over()
         if engine is not None:
             engine.shutdown()
 

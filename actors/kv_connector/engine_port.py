@@ -35,6 +35,20 @@ class EnginePort:
             if (block := pool.lookup(block_hash)) is None:
                 break
             blocks.append(block)
+        return await self._export(blocks)
+
+    async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[Any]]:
+        """Every block session pins hold, and those of the hashes `also` still cached (what
+        other engines handed this one): a draining engine hands its conversations over."""
+        blocks = {b.block_id: b for b in self.kv.pins.pinned_blocks()}
+        for block_hash in also:
+            if (block := self.kv.pool.lookup(block_hash)) is not None:
+                blocks.setdefault(block.block_id, block)
+        return await self._export(list(blocks.values()))
+
+    async def _export(self, blocks: list[KVBlock]) -> tuple[KVHandoff, list[Any]]:
+        """Cached blocks' hashes and bytes, held while read so no eviction reuses them."""
+        pool, size = self.kv.pool, self.kv.block_size
         if not blocks:
             return KVHandoff(block_hashes=[], block_size=size), []
         pool.touch(blocks)
@@ -43,7 +57,9 @@ class EnginePort:
         finally:
             pool.release(blocks[::-1])
         self.exported_blocks += len(blocks)
-        return KVHandoff(block_hashes=hashes[: len(blocks)], block_size=size), refs
+        hashes = [b.block_hash for b in blocks]
+        assert all(h is not None for h in hashes), "exported a block the prefix cache does not name"
+        return KVHandoff(block_hashes=hashes, block_size=size), refs
 
     async def import_(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """File the handoff's blocks this pool lacks (those it holds are skipped), as far as

@@ -9,7 +9,7 @@ import msgspec
 
 
 class KVHandoff(msgspec.Struct, kw_only=True):
-    block_hashes: list[bytes]  # the leading run of the prompt's full blocks the exporter held
+    block_hashes: list[bytes]  # a prompt's leading run of cached blocks, or a drain's pinned ones
     block_size: int
 
 

@@ -103,3 +103,12 @@ def test_pins_are_bounded_per_tenant_and_in_all_even_when_they_own_no_blocks() -
     pool.release(prompt)
     assert pool.num_free_blocks == 10
     pool.check_invariants()
+
+
+def test_a_drain_exports_every_pinned_block_once_newest_sessions_first() -> None:
+    pool = BlockPool(10)
+    pins = SessionPins(pool, max_blocks=8, ttl_s=5.0)
+    shared, a, b = pool.allocate(1), pool.allocate(2), pool.allocate(1)
+    pins.pin("a", shared + a)
+    pins.pin("b", shared + b)  # one system-prompt block under both
+    assert [x.block_id for x in pins.pinned_blocks()] == [0, 3, 1, 2]

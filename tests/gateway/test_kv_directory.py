@@ -38,6 +38,12 @@ def test_a_prompt_is_sent_to_the_replica_with_the_longest_run_beyond_its_own(ray
         await directory.forget("b")
         assert (await directory.locate("c", chain))[::2] == ("a", 1)
         assert await directory.replicas_known() == ["a"]
+        # A drain: "a" hands blocks to "c", which passes them on when it drains in turn.
+        await directory.publish("c", 0, b, [])
+        await directory._call("hand_over", "a", "c", chain[3:])
+        assert (await directory.locate("d", chain[3:]))[::2] == ("c", 3)
+        assert await directory.forget("c") == chain[3:]
+        assert await directory.recent_hand_overs() == [("a", "c", 3)]
         ray.kill(directory.actor)  # detached: it would outlive the test
 
     asyncio.run(run())
