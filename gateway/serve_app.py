@@ -32,6 +32,7 @@ from cadenza.actors.async_llm import AsyncLLM
 from cadenza.actors.disaggregated import DisaggregatedLLM, parse_disaggregation
 from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
+from cadenza.gateway.autoscaling import KV_USAGE, RUNNING, WAITING
 from cadenza.gateway.kv_directory import KVDirectory, directory_name
 from cadenza.gateway.peer_kv import PeerKVEngine
 from cadenza.gateway.replica_metrics import MetricsBoard, board_name
@@ -92,6 +93,13 @@ class CadenzaDeployment:
         if getattr(self, "board", None) is not None:
             self.board.start()  # the first check comes as the replica starts: post from then on
         await self.engine.check_health()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (gateway/autoscaling.py), about once a second."""
+        engine = (await self.engine.stats()).engine
+        pool = engine.kv_cache
+        in_use = (pool.num_blocks - pool.num_free_blocks - engine.num_pinned_blocks) / max(pool.num_blocks, 1)
+        return {RUNNING: engine.num_running, WAITING: engine.num_waiting, KV_USAGE: max(in_use, 0.0)}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
