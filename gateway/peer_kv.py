@@ -7,9 +7,10 @@ this one imports them into its prefix cache through the KV connector (actors/kv_
 hand-over prefill/decode disaggregation uses, and the request computes only the rest (its
 `cached_tokens` counts them). Why pull rather than route to the holder: Serve's router sees a
 request's metadata, never its body, so it cannot know a prompt's blocks; the replica holding
-the body can, and pulling a 640-token prefix took a fifth of the time recomputing it did
-(docs/bench/moved_session.json). The session router still keeps a conversation where it is
-whenever it can, so a pull is the exception: a moved conversation, or a shared document.
+the body can, and a turn whose 640-token prefix was pulled reached its first token in about a
+quarter of the time a recompute took (docs/bench/moved_session.json). The session router
+still keeps a conversation where it is whenever it can, so a pull is the exception: a moved
+conversation, or a shared document.
 
 A pull that fails or takes longer than `kv_pull_timeout_s` is dropped and the request
 recomputes; the request never fails for it. After each request the replica publishes the

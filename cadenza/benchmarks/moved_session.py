@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 import ray
@@ -22,8 +21,8 @@ import ray
 from cadenza.actors.async_llm import AsyncLLM
 from cadenza.actors.local_ray import init_local_ray
 from cadenza.benchmarks.offline import measure_gemm_gflops, measure_read_gbps
+from cadenza.benchmarks.replica_turns import chat_ids, timed_turn
 from cadenza.config import DEFAULT_MODEL
-from cadenza.engine_client import TokensPrompt
 from cadenza.gateway.kv_directory import KVDirectory
 from cadenza.gateway.peer_kv import PeerKVEngine
 from cadenza.sampling_params import SamplingParams
@@ -42,18 +41,7 @@ def add_moved_session_args(parser: argparse.ArgumentParser) -> None:
 async def _ttft(
     engine: AsyncLLM | PeerKVEngine, ids: list[int], salt: str, params: SamplingParams = ONE_TOKEN
 ) -> tuple[float, int, list[int]]:
-    """Seconds to the first token, the prompt's cached tokens, and the tokens."""
-    start, first, cached, out = time.perf_counter(), None, 0, []
-    async for delta in engine.generate(TokensPrompt(ids), params, cache_salt=salt):
-        first = first if first is not None else time.perf_counter() - start
-        cached, out = delta.num_cached_tokens, out + delta.outputs[0].token_ids
-    assert first is not None
-    return first, cached, out
-
-
-def _render(engine: AsyncLLM, messages: list[dict[str, Any]]) -> list[int]:
-    tok = engine.get_tokenizer()
-    return tok.encode_chat(tok.render_chat(messages))
+    return await timed_turn(engine, ids, params, salt)
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,10 +52,10 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     home, other, puller = engines
     home_peer = PeerKVEngine(home, directory, "home", min_tokens=64, timeout_s=60)
     pulling = PeerKVEngine(puller, directory, "moved", min_tokens=64, timeout_s=60)
-    first_ids = _render(home, HISTORY)
+    first_ids = chat_ids(home, HISTORY)
     reply = home.get_tokenizer().decode((await _ttft(home_peer, first_ids, "warm", FIRST_TURN))[2])
     follow_up = [{"role": "assistant", "content": reply}, {"role": "user", "content": "Summarise it."}]
-    turn = _render(home, [*HISTORY, *follow_up])
+    turn = chat_ids(home, [*HISTORY, *follow_up])
     for engine in (other, pulling):  # first-call costs out of the figures
         await _ttft(engine, turn[:32], "warm")
     cached, recomputed, moved = [], [], []

@@ -111,6 +111,13 @@ def cmd_bench_moved_session(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_shared_document(args: argparse.Namespace) -> int:
+    from cadenza.benchmarks.shared_document import run_shared_document_bench
+
+    run_shared_document_bench(args)
+    return 0
+
+
 def cmd_bench_formats(args: argparse.Namespace) -> int:
     from cadenza.benchmarks.formats import run_formats_bench
 
@@ -223,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_moved_session_args(moved)
     moved.set_defaults(func=cmd_bench_moved_session)
+    shared_help = "conversations over shared documents on two replicas: KV pulls vs session affinity alone"
+    shared = bench_sub.add_parser("shared-document", help=shared_help)
+    from cadenza.benchmarks.shared_document import add_shared_document_args
+
+    add_shared_document_args(shared)
+    shared.set_defaults(func=cmd_bench_shared_document)
     gpu = sub.add_parser("gpu-check", help="every Triton kernel and the whole model on CUDA, against torch (JSON)")
     from cadenza.benchmarks.gpu_check_args import add_gpu_check_args
 
