@@ -79,8 +79,16 @@ def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     if not touched:
         return logits
     logits = logits.clone()
+    penalised = [i for i in touched if rows[i].params.needs_penalties]
+    if len(penalised) == len(rows):  # one batch of scatters for every penalised row
+        _penalise(logits, rows)
+    elif penalised:
+        at = to_device(penalised, torch.long, logits.device)
+        some = logits[at]
+        _penalise(some, [rows[i] for i in penalised])
+        logits[at] = some
     for i in touched:
-        _penalise_row(logits[i], rows[i])
+        _edit_row(logits[i], rows[i])
     return logits
 
 
@@ -88,18 +96,44 @@ def _edits(r: SamplingRow) -> bool:
     return r.params.edits_logits or len(r.output_ids) < r.params.min_tokens or r.grammar_mask is not None
 
 
-def _penalise_row(row: torch.Tensor, r: SamplingRow) -> None:
+def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (over prompt and output), frequency and presence penalties (over the output)
+    for rows [R, V] at once, in place, touching only the ids that occur: a row's ids padded with its own
+    first id (a duplicate, which changes nothing), sorted so repeats sit together, then gathered
+    and scattered back. Work is R x ids, not R x V (at 32 rows of 228 ids over 49,152 tokens,
+    ~10 ms a step as whole-vocabulary passes)."""
+    params, device = [r.params for r in rows], logits.device
+    column = lambda values: to_device(values, logits.dtype, device)[:, None]  # noqa: E731
+    outputs, out_len = _padded([r.output_ids for r in rows], device)
+    repetition = [p.repetition_penalty for p in params]
+    if any(x != 1.0 for x in repetition):
+        seen, seen_len = _padded([r.prompt_ids + r.output_ids for r in rows], device)
+        factor, kept = column(repetition), logits.gather(1, seen)
+        penalised = torch.where(kept > 0, kept / factor, kept * factor)
+        # Every copy of an id writes the same value, so duplicates never race.
+        logits.scatter_(1, seen, torch.where((seen_len > 0)[:, None], penalised, kept))
+    occurs = torch.arange(outputs.shape[1], device=device)[None, :] < out_len[:, None]
+    frequency = column([p.frequency_penalty for p in params])
+    logits.scatter_add_(1, outputs, -frequency * occurs.to(logits.dtype))
+    ordered = outputs.sort(dim=1).values
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    presence = column([p.presence_penalty for p in params])
+    logits.scatter_add_(1, ordered, -presence * (first & (out_len > 0)[:, None]).to(logits.dtype))
+
+
+def _padded(ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids as one long matrix, each padded with its own first id (0 for an empty row),
+    and the rows' true lengths."""
+    width = max(1, max(len(x) for x in ids))
+    matrix = [x + [x[0] if x else 0] * (width - len(x)) for x in ids]
+    lengths = [len(x) for x in ids]
+    return to_device(matrix, torch.long, device), to_device(lengths, torch.long, device)
+
+
+def _edit_row(row: torch.Tensor, r: SamplingRow) -> None:
+    """The cheap edits, by index: logit_bias, bad words, allowed ids, the grammar, min_tokens."""
     p = r.params
-    vocab = row.shape[0]
-    if p.needs_penalties:
-        outputs = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
-        counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(row.dtype)
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            seen[torch.tensor(r.prompt_ids, dtype=torch.long, device=row.device)] = True
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalised, row))
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if p.logit_bias or p.bad_words_token_ids or p.allowed_token_ids is not None:
         r.logit_edits.apply(row, r.output_ids)
     if r.grammar_mask is not None:

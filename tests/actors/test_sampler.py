@@ -103,3 +103,34 @@ def test_batched_logprobs_equal_each_row_on_its_own() -> None:
     assert tokens == logits.argmax(dim=-1).tolist()
     for i, k in enumerate(asked):
         assert logprobs[i] == (None if k is None else token_logprobs(raw[i], tokens[i], k))
+
+
+def _dense_penalties(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    """The penalties as whole-vocabulary passes, one row at a time: the reference."""
+    p, out = r.params, logits.clone()
+    counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long), minlength=out.shape[0]).to(out.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(r.prompt_ids, dtype=torch.long)] = True
+        penalised = torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty)
+        out = torch.where(seen, penalised, out)
+    return out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(out.dtype)
+
+
+def test_batched_penalties_equal_each_row_penalised_alone() -> None:
+    """Mixed rows (penalised or not, empty outputs, repeats, negative logits) in one batch."""
+    from cadenza.actors.sampler import apply_penalties_and_masks
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 97, []
+    for i in range(12):
+        ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+        kinds = [{}, {"repetition_penalty": 1.3}, {"frequency_penalty": 0.4, "presence_penalty": -0.2},
+                 {"repetition_penalty": 0.8, "frequency_penalty": 0.1, "presence_penalty": 0.3}]  # fmt: skip
+        outputs = ids(i * 3)  # none on row 0
+        outputs += outputs[:2] * (i % 2)  # repeated ids on odd rows
+        rows.append(SamplingRow(SamplingParams(**kinds[i % 4]), ids(1 + i), outputs, (3,)))
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3
+    got = apply_penalties_and_masks(logits, rows)
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(got[i], _dense_penalties(logits[i], r), rtol=0, atol=1e-6)
