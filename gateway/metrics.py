@@ -153,16 +153,17 @@ class _EngineCollector:
         yield from self._kv_transfer(stats.kv_transfer, label, p)
 
     def _kv_transfer(self, moved: KVTransferStats | None, label: list[str], p: str) -> Iterator[Metric]:
-        """Prefill/decode disaggregation's hand-overs; absent (not zero) without it."""
+        """KV moved between engines: prefill/decode disaggregation's hand-overs, or under Serve
+        the pulls between replicas (gateway/peer_kv.py); absent (not zero) without either."""
         if moved is None:
             return
         yield from _counters(label, (
-            (p + "kv_transfer_handoffs", "Prompts whose KV moved to a decode engine.", moved.num_handoffs),
-            (p + "kv_transfer_blocks_imported", "KV blocks written on decode engines.", moved.num_blocks_imported),
-            (p + "kv_transfer_blocks_skipped", "KV blocks decode engines already held.", moved.num_blocks_skipped),
-            (p + "kv_transfer_bytes", "KV bytes written on decode engines.", moved.num_bytes),
+            (p + "kv_transfer_handoffs", "Prompts whose KV came from another engine.", moved.num_handoffs),
+            (p + "kv_transfer_blocks_imported", "KV blocks imported from another engine.", moved.num_blocks_imported),
+            (p + "kv_transfer_blocks_skipped", "KV blocks offered that it held.", moved.num_blocks_skipped),
+            (p + "kv_transfer_bytes", "KV bytes imported from another engine.", moved.num_bytes),
             (p + "kv_transfer_seconds", "Time spent handing KV over.", moved.seconds),
-            (p + "kv_transfer_fallbacks", "Hand-overs that fell back to recomputing.", moved.num_fallbacks),
+            (p + "kv_transfer_fallbacks", "Hand-overs or pulls that fell back to recomputing.", moved.num_fallbacks),
             (p + "kv_transfer_prefill_failures", "Requests whose prefill engine died.", moved.num_prefill_failures),
             (
                 p + "kv_transfer_decode_resumes",
