@@ -163,46 +163,6 @@ def test_a_new_conversation_on_a_shared_document_starts_from_the_other_replicas_
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared > 0
 
 
-@pytest.mark.slow
-def test_a_replica_that_scales_down_hands_its_conversations_over(two_replicas: str, tiny_chat_model: Path) -> None:
-    """2 -> 1 replicas: a replica Serve stops pushes its pinned conversations' KV to one that
-    stays before it goes (gateway/peer_kv.py, hand_over), so every conversation's next turn
-    starts from KV on the survivor; stopped replicas are out of the KV directory by then, so no
-    pull can have served it."""
-    from ray import serve
-
-    from cadenza.gateway.kv_directory import KVDirectory, directory_name
-    from cadenza.gateway.serve_app import SESSION_ROUTER, CadenzaDeployment
-
-    def deploy(replicas: int) -> None:
-        options = dict(name="CadenzaDrain", num_replicas=replicas, request_router_config=SESSION_ROUTER)
-        app = CadenzaDeployment.options(**options).bind(str(tiny_chat_model), "tiny", {"num_blocks": 256}, {})
-        serve.run(app, name="cadenza-drain", route_prefix="/drain")
-
-    deploy(2)
-    try:
-        client = openai.OpenAI(base_url=two_replicas + "/drain/v1", api_key="none")
-        ask = dict(model="tiny", max_output_tokens=4, temperature=0)
-        firsts: dict[str, object] = {}  # replica -> a conversation's first turn there
-        for i in range(20):  # new session ids go to the replica home to fewer sessions
-            text = f"Conversation {i}: the keeper counts the ships that pass the cape at night. " * 8
-            raw = client.responses.with_raw_response.create(input=text, extra_headers={"x-session-id": f"d{i}"}, **ask)
-            firsts.setdefault(raw.headers["x-cadenza-replica"], raw.parse())
-            if len(firsts) == 2:
-                break
-        assert len(firsts) == 2
-        deploy(1)  # a new version under Serve: both replicas drain, one at a time, into the new one
-        directory = KVDirectory(directory_name("cadenza-drain", "tiny"))
-        drained = lambda: len(asyncio.run(directory.recent_hand_overs())) == 2  # noqa: E731
-        until_sync(drained, "both old replicas handed their conversations over")
-        assert len(asyncio.run(directory.replicas_known())) == 1
-        for first in firsts.values():
-            turn = client.responses.create(input="How many ships?", previous_response_id=first.id, **ask)
-            assert turn.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16
-    finally:
-        serve.delete("cadenza-drain")
-
-
 def _chat(url: str, messages: list[dict], session: str) -> tuple[str, dict]:
     body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0}).encode()
     headers = {"Content-Type": "application/json", "x-session-id": session}
