@@ -33,6 +33,7 @@ import msgspec
 
 from cadenza.actors.async_llm import AsyncLLM
 from cadenza.actors.kv_connector.engine_port import prefix_hashes
+from cadenza.actors.kv_connector.handoff import move_kv
 from cadenza.actors.prompts import tokenize
 from cadenza.config import DEFAULT_MODEL
 from cadenza.engine_client import Prompt
@@ -225,13 +226,7 @@ class DisaggregatedLLM:
         failure leaves the decode engine to recompute them. Returns its wall-clock window."""
         start, wall = time.monotonic(), time.time()
         try:
-            handoff, refs = await prefill.export_kv(ids, cache_salt)
-            if handoff.block_hashes:
-                done = await decode.import_kv(handoff, refs)
-                self.transfer.num_blocks_imported += done.num_imported
-                self.transfer.num_blocks_skipped += done.num_skipped
-                self.transfer.num_bytes += done.num_bytes
-            self.transfer.num_handoffs += 1
+            await move_kv(prefill.export_kv(ids, cache_salt), decode.import_kv, self.transfer)
         except Exception as e:  # the request goes on: the decode engine recomputes the prompt
             self.transfer.num_fallbacks += 1
             log.warning("KV hand-over failed, recomputing on the decode engine: %s: %s", type(e).__name__, e)

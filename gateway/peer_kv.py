@@ -30,7 +30,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from cadenza.actors.async_llm import AsyncLLM
+from cadenza.actors.kv_cache_manager import extend_chain
 from cadenza.actors.kv_connector.engine_port import prefix_hashes
+from cadenza.actors.kv_connector.handoff import move_kv
 from cadenza.engine_client import TokensPrompt
 from cadenza.gateway.kv_directory import KVDirectory
 from cadenza.outputs import RequestOutput
@@ -74,7 +76,8 @@ class PeerKVEngine:
         session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         ids = prompt.token_ids
-        await self._pull(ids, cache_salt)
+        chain = prefix_hashes(ids[:-1], self.block_size, cache_salt)  # the last token always runs
+        await self._pull(ids, chain, cache_salt)
         out_ids: list[int] = []
         stream = self.engine.generate(prompt, sampling_params, request_id, priority, pace, cache_salt, session_id)
         try:
@@ -83,18 +86,18 @@ class PeerKVEngine:
                     out_ids += out.outputs[0].token_ids
                 yield out
         except BaseException:  # failed or abandoned: what it computed is published in the background
-            self._publish_later(self._computed(ids, out_ids, cache_salt))
+            self._publish_later(self._computed(chain, ids, out_ids, cache_salt))
             raise
         # Before the caller's loop ends, so a client that has the whole answer may send the next
         # turn anywhere and have it find these blocks.
-        await self._publish(self._computed(ids, out_ids, cache_salt))
+        await self._publish(self._computed(chain, ids, out_ids, cache_salt))
 
-    def _computed(self, ids: list[int], out_ids: list[int], cache_salt: str | None) -> list[bytes]:
-        """The hashes of the full blocks whose KV exists: the last sampled token was never fed back."""
-        return prefix_hashes(ids + out_ids[:-1], self.block_size, cache_salt)
+    def _computed(self, chain: list[bytes], ids: list[int], out_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The prompt's chain extended over the full blocks whose KV exists: the last sampled
+        token was never fed back."""
+        return extend_chain(list(chain), ids + out_ids[:-1], self.block_size, cache_salt)
 
-    async def _pull(self, ids: list[int], cache_salt: str | None) -> None:
-        hashes = prefix_hashes(ids[:-1], self.block_size, cache_salt)  # the last token always runs
+    async def _pull(self, ids: list[int], hashes: list[bytes], cache_salt: str | None) -> None:
         if len(hashes) < self.min_blocks:
             return
         start, peer = time.monotonic(), None
@@ -103,14 +106,8 @@ class PeerKVEngine:
             if found is None:
                 return
             peer, peer_engine, _ = found
-            handoff, refs = await asyncio.wait_for(peer_engine.export_kv.remote(ids, cache_salt), self.timeout_s)
-            if handoff.block_hashes:
-                done = await asyncio.wait_for(self.engine.import_kv(handoff, refs), self.timeout_s)
-                self.transfer.num_blocks_imported += done.num_imported
-                self.transfer.num_blocks_skipped += done.num_skipped
-                self.transfer.num_bytes += done.num_bytes
-            self.transfer.num_handoffs += 1
-            log.info("pulled %d blocks of KV from replica %s", len(handoff.block_hashes), peer)
+            move = move_kv(peer_engine.export_kv.remote(ids, cache_salt), self.engine.import_kv, self.transfer)
+            log.info("pulled %d blocks of KV from replica %s", await asyncio.wait_for(move, self.timeout_s), peer)
         except Exception as e:  # the request goes on and recomputes the prefix
             self.transfer.num_fallbacks += 1
             log.warning("KV pull from replica %s failed, recomputing: %s: %s", peer, type(e).__name__, e)

@@ -1,11 +1,17 @@
 """What crosses from a prefill engine to a decode engine: the hash chain of the blocks
 exported (the prefix cache's keys, so the importer can skip what it holds and file the rest
 where a lookup finds them) and their bytes, one object-store reference per worker
-(blocks.py's array), kept beside the Struct so Ray counts the references."""
+(blocks.py's array), kept beside the Struct so Ray counts the references; and move_kv, the one
+export-then-import every hand-over runs."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import msgspec
+
+from cadenza.stats import KVTransferStats
 
 
 class KVHandoff(msgspec.Struct, kw_only=True):
@@ -19,3 +25,21 @@ class KVImport(msgspec.Struct, kw_only=True):
     num_imported: int  # blocks written and filed in the prefix cache
     num_skipped: int  # blocks its prefix cache already held (not written)
     num_bytes: int  # bytes written
+
+
+async def move_kv(
+    export: Awaitable[tuple[KVHandoff, list[Any]]],
+    import_kv: Callable[[KVHandoff, list[Any]], Awaitable[KVImport]],
+    stats: KVTransferStats,
+) -> int:
+    """One hand-over: what `export` yields filed by `import_kv` into the importer's prefix
+    cache, counted in `stats` (disaggregation's prefill-to-decode, Serve's replica-to-replica
+    pulls). Returns the blocks the exporter held."""
+    handoff, refs = await export
+    if handoff.block_hashes:
+        done = await import_kv(handoff, refs)
+        stats.num_blocks_imported += done.num_imported
+        stats.num_blocks_skipped += done.num_skipped
+        stats.num_bytes += done.num_bytes
+    stats.num_handoffs += 1
+    return len(handoff.block_hashes)

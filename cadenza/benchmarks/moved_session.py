@@ -38,12 +38,6 @@ def add_moved_session_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=1024)
 
 
-async def _ttft(
-    engine: AsyncLLM | PeerKVEngine, ids: list[int], salt: str, params: SamplingParams = ONE_TOKEN
-) -> tuple[float, int, list[int]]:
-    return await timed_turn(engine, ids, params, salt)
-
-
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     # Three engines of one CPU each: more logical CPUs than AsyncLLM's own instance would take.
     init_local_ray(4, logging_level="error")
@@ -53,18 +47,19 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     home_peer = PeerKVEngine(home, directory, "home", min_tokens=64, timeout_s=60)
     pulling = PeerKVEngine(puller, directory, "moved", min_tokens=64, timeout_s=60)
     first_ids = chat_ids(home, HISTORY)
-    reply = home.get_tokenizer().decode((await _ttft(home_peer, first_ids, "warm", FIRST_TURN))[2])
+    reply = home.get_tokenizer().decode((await timed_turn(home_peer, first_ids, FIRST_TURN, "warm"))[2])
     follow_up = [{"role": "assistant", "content": reply}, {"role": "user", "content": "Summarise it."}]
     turn = chat_ids(home, [*HISTORY, *follow_up])
     for engine in (other, pulling):  # first-call costs out of the figures
-        await _ttft(engine, turn[:32], "warm")
+        await timed_turn(engine, turn[:32], ONE_TOKEN, "warm")
     cached, recomputed, moved = [], [], []
     for rep in range(args.reps):
         salt = f"rep-{rep}"
-        await _ttft(home_peer, first_ids, salt, FIRST_TURN)  # the first turn, cached (and published) at home
-        moved.append(await _ttft(pulling, turn, salt))  # before the home runs (and holds) the turn itself
-        cached.append(await _ttft(home_peer, turn, salt))
-        recomputed.append(await _ttft(other, turn, salt))
+        await timed_turn(home_peer, first_ids, FIRST_TURN, salt)  # the first turn, cached (and published) at home
+        # Pulled before the home runs (and so holds) the turn itself.
+        moved.append(await timed_turn(pulling, turn, ONE_TOKEN, salt))
+        cached.append(await timed_turn(home_peer, turn, ONE_TOKEN, salt))
+        recomputed.append(await timed_turn(other, turn, ONE_TOKEN, salt))
     for engine in engines:
         engine.shutdown()
     ray.kill(directory.actor)
