@@ -139,7 +139,10 @@ class DisaggregatedLLM:
         pace: bool = False,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        resume_from: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """resume_from: outputs produced elsewhere (a re-issued response): the decode engine
+        computes prompt and outputs and goes on after them."""
         params = sampling_params or SamplingParams()
         text, ids = tokenize(self.tokenizer, prompt)
         self._ids += 1
@@ -149,6 +152,11 @@ class DisaggregatedLLM:
         whole = params.n != 1 or params.prompt_logprobs is not None or params.max_tokens == 1
         self._legs[rid] = []
         try:
+            if resume_from:
+                legs = (decode, rid, tokens, params, priority, pace, cache_salt, session_id, list(resume_from))
+                async for out in self._decode(*legs):
+                    yield out
+                return
             if whole:
                 async for out in self._leg(decode, rid, "#d", tokens, params, priority, pace, cache_salt, session_id):
                     yield out

@@ -82,10 +82,12 @@ class EngineClient(Protocol):
         pace: bool = False,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        resume_from: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request; leaving the iteration early aborts it. pace: spread a step's
         several tokens over time; cache_salt: whose prefix cache it may share; session_id: the
-        conversation it is a turn of (its prefix stays pinned). Raises ValueError for a
+        conversation it is a turn of (its prefix stays pinned); resume_from: outputs it already
+        produced elsewhere (it goes on after them, as a preempted request). Raises ValueError for a
         request the engine refuses, cadenza.errors.RequestFailedError when the engine ends it
         with an error, cadenza.errors.EngineDeadError when the engine is gone."""
         ...

@@ -27,6 +27,7 @@ from cadenza.gateway.http_guard import HttpGuard, host_refusal
 from cadenza.gateway.openai_http import OpenAIHttp
 from cadenza.gateway.openapi import OpenApiRoutes
 from cadenza.gateway.protocol import encode, error_event
+from cadenza.gateway.response_events import ResponseLogs
 from cadenza.gateway.response_store import ConversationStore
 from cadenza.gateway.responses_http import ResponsesHttp
 from cadenza.gateway.responses_ws import ResponsesSocket
@@ -48,14 +49,16 @@ def build_app(
     check_host: bool = True,
     store: ConversationStore | None = None,
     metrics_board: MetricsBoard | None = None,
+    logs: ResponseLogs | None = None,
 ) -> Starlette:
     """tracer_provider: where request spans go (default: as the OTEL_* variables say, else off).
     check_host: refuse a Host header that is not ours (off under Ray Serve unless allowed_hosts
     is set: its proxy is reached by whatever name the cluster gives it). store: where
     conversations are kept (default: in this process; Serve replicas share one). metrics_board:
-    under Serve, where /metrics gathers every replica's (gateway/replica_metrics.py)."""
+    under Serve, where /metrics gathers every replica's (gateway/replica_metrics.py). logs: the
+    response events (default: in this process; Serve replicas mirror theirs to one shared log)."""
     tracing = Tracing(tracer_provider or provider_from_env())
-    state = GatewayState(engine, model_name, settings, tracing, store)
+    state = GatewayState(engine, model_name, settings, tracing, store, logs)
     page = ChatPage(model_name, hide_model=settings.requires_key)
 
     async def health(request: Request) -> Response:
@@ -94,6 +97,8 @@ def build_app(
 
     http = OpenAIHttp(state)
     responses_http = ResponsesHttp(state)
+    if logs is not None and logs.shared:  # a dead replica's responses, re-issued here
+        logs.on_adopt = responses_http.adopt  # type: ignore[attr-defined]  # MirroredLogs
     utility = UtilityRoutes(state)
     api_doc = OpenApiRoutes()
     routes = [

@@ -74,12 +74,15 @@ class PeerKVEngine:
         pace: bool = False,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        resume_from: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        ids = prompt.token_ids
+        ids = prompt.token_ids + list(resume_from or ())  # a re-issued response: what it emitted counts
         chain = prefix_hashes(ids[:-1], self.block_size, cache_salt)  # the last token always runs
         await self._pull(ids, chain, cache_salt)
         out_ids: list[int] = []
-        stream = self.engine.generate(prompt, sampling_params, request_id, priority, pace, cache_salt, session_id)
+        stream = self.engine.generate(
+            prompt, sampling_params, request_id, priority, pace, cache_salt, session_id, resume_from
+        )
         try:
             async for out in stream:
                 if len(out.outputs) == 1:

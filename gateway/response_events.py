@@ -43,6 +43,13 @@ class ReplayError(LookupError):
     """The events asked for are not kept (never, or no longer)."""
 
 
+OVERFLOWED = (
+    "this response has more events than the response log keeps "
+    "(response_log_max_events, response_log_max_response_bytes, response_log_max_bytes)"
+)
+MOVED = "this response was re-issued on another replica: resume it with GET /v1/responses/{id}?stream=true"
+
+
 def _no_cancel() -> None:
     return None
 
@@ -62,30 +69,58 @@ class ResponseEvents:
         # Set by the run: cancel it. Reset when the run ends, so a finished log does not hold
         # the run (its prompt ids, messages and request) alive for its TTL.
         self.cancel: Callable[[], None] = _no_cancel
+        # Under Serve (shared_log.MirroredLogs): how many kept events the application's shared
+        # log holds; readers here see no further, so no client is ever ahead of the shared log.
+        # None: every kept event is readable (one gateway).
+        self.durable: int | None = None
+        self.moved = False  # re-issued elsewhere (shared_log): this replica's copy stops here
         self._changed = asyncio.Event()
 
     @property
     def response(self) -> Json | None:
         return msgspec.json.decode(self._response) if self._response else None
 
+    @property
+    def kept(self) -> int:
+        """Events a reader may replay from here: kept, and held by the shared log if there is one."""
+        return len(self.events) if self.durable is None else min(self.durable, len(self.events))
+
+    @property
+    def response_json(self) -> bytes:
+        return self._response
+
     def append(self, event: Json) -> Json:
         """The event with its sequence number, kept while within the bounds."""
         numbered = {**event, "sequence_number": self.count}
-        self.count += 1
-        if isinstance(event.get("response"), dict):
-            self._keep_response(_encode(event["response"]))
-        if not self.overflowed:
-            data = _encode(numbered)
-            if len(self.events) < self.logs.max_events and self.logs.reserve(self, len(data) + EVENT_OVERHEAD_BYTES):
-                self.events.append((event["type"], data))
-            else:  # never kept again: a replay must not skip what was dropped
-                self.overflowed = True
-        self._wake()
+        if self.moved:  # its run goes on elsewhere: nothing more is kept or shown here
+            return numbered
+        response = _encode(event["response"]) if isinstance(event.get("response"), dict) else None
+        self.add(event["type"], None if self.overflowed else _encode(numbered), response)
         return numbered
 
-    def _keep_response(self, data: bytes) -> None:
-        self.logs.charge(self, len(data) - len(self._response))
-        self._response = data
+    def add(self, kind: str, data: bytes | None, response: bytes | None) -> None:
+        """One numbered event as JSON (None: past the bounds), and the response object it carried."""
+        self.count += 1
+        if response is not None:
+            self.add_response(response)
+        if not self.overflowed and data is not None:
+            if len(self.events) < self.logs.max_events and self.logs.reserve(self, len(data) + EVENT_OVERHEAD_BYTES):
+                self.events.append((kind, data))
+            else:  # never kept again: a replay must not skip what was dropped
+                self.overflowed = True
+        elif data is None:
+            self.overflowed = True
+        self._wake()
+
+    def add_response(self, response: bytes) -> None:
+        """The latest response object (what GET returns), always kept."""
+        self.logs.charge(self, len(response) - len(self._response))
+        self._response = response
+        self._wake()
+
+    def record(self, delta: Any) -> None:  # noqa: ANN401 - the engine's RequestOutput
+        """An engine delta this response's events come from (kept where a re-issue may need it)."""
+        self.logs.record(self, delta)
 
     def finish(self) -> None:
         self.done, self.finished_at = True, time.monotonic()
@@ -94,19 +129,18 @@ class ResponseEvents:
 
     async def follow(self, starting_after: int = -1) -> AsyncIterator[Kept]:
         """The kept events after `starting_after`, then the live ones until the response ends."""
-        if starting_after != -1 and not 0 <= starting_after < len(self.events):
+        if starting_after != -1 and not 0 <= starting_after < self.kept:
             raise ReplayError(f"starting_after {starting_after} is not among this response's kept events")
         at = starting_after + 1
         while True:
-            while at < len(self.events):
+            while at < self.kept:
                 yield self.events[at]
                 at += 1
-            if self.overflowed:
-                raise ReplayError(
-                    "this response has more events than the response log keeps "
-                    "(response_log_max_events, response_log_max_response_bytes, response_log_max_bytes)"
-                )
-            if self.done:
+            if self.moved:
+                raise ReplayError(MOVED)
+            if self.overflowed and at >= len(self.events):
+                raise ReplayError(OVERFLOWED)
+            if self.done and at >= len(self.events):
                 return
             await self._changed.wait()
 
@@ -119,12 +153,29 @@ class ResponseEvents:
         while not self.done:
             await self._changed.wait()
 
-    def _wake(self) -> None:
+    async def wait_durable(self, count: int) -> None:
+        """Until the shared log holds `count` events (or nothing more will be): a socket shows
+        an event only then, so a resume on any replica finds what its client saw."""
+        while self.durable is not None and self.durable < min(count, len(self.events)) and not self.moved:
+            await self._changed.wait()
+
+    async def wait_change(self) -> None:
+        await self._changed.wait()
+
+    def notify(self) -> None:
+        """Wakes the readers only (the shared log took more events)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def _wake(self) -> None:
+        self.notify()
+        self.logs.changed(self)
+
 
 class ResponseLogs:
+    shared = False  # shared_log.MirroredLogs: every replica's runs mirrored to one log
+    entry_type = ResponseEvents
+
     def __init__(
         self,
         max_size: int,
@@ -138,18 +189,33 @@ class ResponseLogs:
         self.bytes = 0  # kept by the logs in _items
         self._items: OrderedDict[str, ResponseEvents] = OrderedDict()
 
-    def open(self, response_id: str, tenant: str | None = None) -> ResponseEvents:
+    def open(self, response_id: str, tenant: str | None = None, spec: Any = None) -> ResponseEvents:  # noqa: ANN401
+        """A new response's log; spec: what re-issues it elsewhere (shared_log.ReissueSpec), or None."""
         self._expire()
-        log = self._items[response_id] = ResponseEvents(response_id, tenant, self)
+        log = self._items[response_id] = self.entry_type(response_id, tenant, self)
         while len(self._items) > self.max_size and self._drop_oldest_finished(log):
             pass
         return log
+
+    def changed(self, log: ResponseEvents) -> None:
+        """Hook: `log` has a new event or ended."""
+
+    def record(self, log: ResponseEvents, delta: Any) -> None:  # noqa: ANN401
+        """Hook: an engine delta of `log`'s response (kept only where responses can be re-issued)."""
 
     def get(self, response_id: str, tenant: str | None = None) -> ResponseEvents | None:
         """The tenant's log of that response; another tenant's is not found, as an unknown id."""
         self._expire()
         log = self._items.get(response_id)
         return log if log is not None and log.tenant == tenant else None
+
+    def get_any(self, response_id: str) -> ResponseEvents | None:
+        """Whoever's it is (the shared log's owners; never a client's lookup)."""
+        self._expire()
+        return self._items.get(response_id)
+
+    def unfinished(self) -> list[ResponseEvents]:
+        return [log for log in self._items.values() if not log.done]
 
     def reserve(self, log: ResponseEvents, size: int) -> bool:
         """Room for `size` more bytes of events in `log`: within its own bound, and within the

@@ -16,17 +16,22 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.gateway import protocol as p
+from cadenza.gateway.log_messages import Adoption, ReissueSpec, decode_delta
 from cadenza.gateway.observe import Observation
 from cadenza.gateway.reasoning import ReasoningTally
 from cadenza.gateway.response_store import StoredResponse
-from cadenza.gateway.state import GatewayState, PreparedResponse, new_id
+from cadenza.gateway.state import GatewayState, PreparedResponse
 from cadenza.gateway.stream_tally import StreamTally
 from cadenza.gateway.tool_calls import ToolCall
 from cadenza.gateway.tool_choice import ToolDeltas
+from cadenza.outputs import RequestOutput
 
 if TYPE_CHECKING:  # the socket owns its runs; only the types cross back
     from cadenza.gateway.responses_ws import Job
@@ -38,6 +43,7 @@ class Transport(Protocol):
 
     state: GatewayState
     headers: Any
+    direct: bool  # sends events itself (a socket): under Serve, each waits for the shared log
 
     async def send(self, event: p.Json, stream_id: str | None = None) -> None: ...
 
@@ -48,13 +54,26 @@ log = logging.getLogger(__name__)
 class ResponseRun:
     """The event sequence of one response, from response.created to its terminal event."""
 
-    def __init__(self, transport: Transport, job: Job, prepared: PreparedResponse) -> None:
+    def __init__(
+        self, transport: Transport, job: Job, prepared: PreparedResponse, adoption: Adoption | None = None
+    ) -> None:
+        """adoption: a response another replica started and died running (shared_log.py): its
+        deltas are replayed, its events so far are not sent again, and the engine goes on."""
         self.transport, self.job, self.prepared = transport, job, prepared
         self.sid = job.create.stream_id
-        self.item_id = new_id("msg")
-        self.created_at = p.now()
+        # Item ids follow from the response's, so a re-issue names its items as the original did.
+        self.item_id = "msg_" + _suffix(prepared.response_id)
         state = transport.state
-        self.log = state.logs.open(prepared.response_id, prepared.tenant)  # for replay, whatever the transport
+        self.replay: list[RequestOutput] = []
+        self.skip = 0  # events the log holds already (a re-issue regenerates them)
+        if adoption is not None:
+            self.created_at = adoption.spec.created_at
+            self.log = state.logs.restore(adoption)
+            self.replay = [decode_delta(d) for d in adoption.deltas]
+            self.skip = adoption.count
+        else:
+            self.created_at = p.now()
+            self.log = state.logs.open(prepared.response_id, prepared.tenant, self._spec())  # for replay
         self.log.cancel = self.cancel
         self.tally = StreamTally(Observation(state.metrics, state.tracing, "chat", transport.headers, prepared.params))
         self.tally.observation.span.messages(prepared.messages)
@@ -78,8 +97,20 @@ class ResponseRun:
         )
         return {**r, **(self.prepared.echo or {}), **fields}
 
+    def _spec(self) -> ReissueSpec | None:
+        """What re-issues this response on another replica, where a shared log can (Serve)."""
+        if not self.transport.state.logs.shared:
+            return None
+        create = msgspec.json.encode(self.job.create)
+        return ReissueSpec(create, self.prepared.tenant, self.prepared.priority, self.created_at)
+
     async def emit(self, event: p.Json) -> None:
+        if self.skip:  # a re-issue's replay: the log (and its clients) have this event already
+            self.skip -= 1
+            return
         self.log.append(event)
+        if self.transport.direct:
+            await self.log.wait_durable(self.log.count)
         await self.transport.send(event, self.sid)
 
     def cancel(self) -> None:
@@ -131,7 +162,8 @@ class ResponseRun:
     async def think(self, text: str, extras: p.Json) -> None:
         """Thinking text, into the reasoning item (opened on its first text)."""
         if self.reasoning_ref is None:
-            self.reasoning_ref = {"output_index": self.outputs, "item_id": new_id("rs"), "content_index": 0}
+            item_id = "rs_" + _suffix(self.prepared.response_id)
+            self.reasoning_ref = {"output_index": self.outputs, "item_id": item_id, "content_index": 0}
             self.outputs += 1
             added = p.reasoning_item(self.reasoning_ref["item_id"], "", "in_progress")
             await self.emit({"type": "response.output_item.added", "output_index": self.outputs - 1, "item": added})
@@ -143,17 +175,7 @@ class ResponseRun:
 
     async def stream(self) -> str:
         state = self.transport.state
-        prepared = self.prepared
-        stream = state.generate(
-            prepared.prompt_ids,
-            prepared.params,
-            prepared.response_id,
-            True,
-            prepared.tenant,  # the prefix-cache salt, and the tenant the engine pins its session for
-            prepared.priority,
-            prepared.session_id,
-        )
-        async with contextlib.aclosing(stream):  # on cancel, abort the engine request now, not at GC
+        async with contextlib.aclosing(self.deltas()) as stream:  # on cancel, abort the engine request now, not at GC
             async for delta in stream:
                 out = self.tally.add(delta)
                 extras: p.Json = {"token_ids": out.token_ids}
@@ -173,6 +195,30 @@ class ResponseRun:
                     event = {"type": "response.output_text.delta", **ref, "delta": text, "logprobs": []}
                     await self.emit({**event, p.EXTRA_KEY: extras})
         return self.tally.reasons.get(0, "stop")  # one sequence: the websocket has no n
+
+    async def deltas(self) -> AsyncIterator[RequestOutput]:
+        """The engine's deltas, each recorded for a re-issue; a re-issue's recorded ones first,
+        then the engine's continuation after the tokens they hold."""
+        for delta in self.replay:
+            yield delta
+        if self.replay and self.replay[-1].finished:
+            return
+        prepared = self.prepared
+        emitted = [t for d in self.replay for t in d.outputs[0].token_ids]
+        stream = self.transport.state.generate(
+            prepared.prompt_ids,
+            prepared.params,
+            prepared.response_id,
+            True,
+            prepared.tenant,  # the prefix-cache salt, and the tenant the engine pins its session for
+            prepared.priority,
+            prepared.session_id,
+            resume_from=emitted or None,
+        )
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                self.log.record(delta)
+                yield delta
 
     def _visible(self, text: str, last: bool) -> str:
         """The part of a delta that is content (all of it without tools)."""
@@ -239,7 +285,7 @@ class ResponseRun:
         """Each function call as an output item after the message, with its argument events."""
         items = []
         for index, call in enumerate(self.calls, start=self.outputs):
-            item_id = new_id("fc")
+            item_id = f"fc_{_suffix(self.prepared.response_id)}_{index}"
             ref = {"output_index": index, "item_id": item_id}
             opened = p.function_call_item(item_id, call.id, call.name, "", "in_progress")
             await self.emit({"type": "response.output_item.added", "output_index": index, "item": opened})
@@ -273,3 +319,8 @@ class ResponseRun:
             "cached_tokens": self.tally.cached_tokens,
         }
         return {**timings, **obs.acceptance()} if self.transport.state.speculative else timings
+
+
+def _suffix(response_id: str) -> str:
+    """The unique part of a response id (`resp_<hex>`): its items' ids are built from it."""
+    return response_id.partition("_")[2] or response_id

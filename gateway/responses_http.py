@@ -15,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cadenza.gateway import protocol as p
 from cadenza.gateway.admission import RETRY_AFTER
 from cadenza.gateway.http_guard import BodyError, error_response, read_json
+from cadenza.gateway.log_messages import Adoption
 from cadenza.gateway.request_error import RequestError
 from cadenza.gateway.response_events import ReplayError, ResponseEvents
 from cadenza.gateway.response_run import ResponseRun
@@ -31,9 +33,14 @@ from cadenza.gateway.send_deadline import SseStream
 from cadenza.gateway.state import GatewayState, tenant_salt
 from cadenza.request_limits import presented_key
 
+if TYPE_CHECKING:  # Ray's side of the shared log, under Serve only
+    from cadenza.gateway.mirrored_logs import MirroredLogs, RemoteLog
+
 
 class _LogOnly:
     """The run's transport over HTTP: nothing is sent directly, readers follow the log."""
+
+    direct = False  # readers follow the log
 
     def __init__(self, state: GatewayState, headers: Any) -> None:
         self.state, self.headers = state, headers
@@ -85,16 +92,44 @@ class ResponsesHttp:
             return self._stream(log, -1, client, None if create.background else task)
         if create.background:  # answered at once: the response as created, then poll or resume
             await log.wait_for(1)
+            await log.wait_durable(1)  # under Serve: any replica finds it once its id is known
             return JSONResponse(log.response)
         try:
             await asyncio.wait({task})
         except asyncio.CancelledError:  # the client went away: so does its foreground response
             task.cancel()
             raise
+        await log.wait_durable(log.count)
         return JSONResponse(log.response)
 
+    def adopt(self, adoption: Adoption) -> None:
+        """Re-issues here a response whose replica died (shared_log.py): no admission, it was
+        admitted where it started, and its clients are already waiting for it."""
+        task = asyncio.get_running_loop().create_task(self._reissue(adoption))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _reissue(self, adoption: Adoption) -> None:
+        spec = adoption.spec
+        create = msgspec.json.decode(spec.create, type=p.ResponseCreate)
+        job = Job(create, adoption.response_id)
+        try:
+            prepared = await self.state.prepare_as(create, spec.tenant, spec.priority, adoption.response_id)
+        except Exception as e:  # its conversation's stored turns are gone: it fails, visibly
+            log = cast("MirroredLogs", self.state.logs).restore(adoption)
+            model = self.state.model_name
+            failed = p.response_object(adoption.response_id, model, "failed", create, [], spec.created_at)
+            message = f"the response's replica died and it could not be re-issued: {e}"
+            error = {"code": "server_error", "message": message}
+            log.append({"type": "response.failed", "response": {**failed, "error": error}})
+            log.finish()
+            return
+        run = ResponseRun(_LogOnly(self.state, {}), job, prepared, adoption)
+        job.task = asyncio.current_task()
+        await run.run()
+
     async def retrieve(self, request: Request) -> Response:
-        log = self._log(request)
+        log = await self._find(request)
         if log is None:
             return _not_found(request)
         if request.query_params.get("stream", "false").lower() not in ("true", "1"):
@@ -103,8 +138,8 @@ class ResponsesHttp:
             after = int(request.query_params.get("starting_after", "-1"))
         except ValueError:
             return error_response(400, "starting_after must be an integer", "invalid_request", "starting_after")
-        if after != -1 and not 0 <= after < len(log.events):
-            message = f"starting_after {after} is not among this response's {len(log.events)} kept events"
+        if after != -1 and not 0 <= after < log.kept:
+            message = f"starting_after {after} is not among this response's {log.kept} kept events"
             return error_response(400, message, "invalid_request", "starting_after")
         client = self.state.admission.client(request.client and request.client.host)
         if not self.state.admission.open_stream(client):
@@ -112,14 +147,16 @@ class ResponsesHttp:
         return self._stream(log, after, client, None)
 
     async def cancel(self, request: Request) -> Response:
-        log = self._log(request)
+        log = await self._find(request)
         if log is None:
             return _not_found(request)
         log.cancel()
         await log.wait_done()  # its terminal event carries the cancelled response
         return JSONResponse(log.response)
 
-    def _stream(self, log: ResponseEvents, after: int, client: str, run: asyncio.Task[None] | None) -> SseStream:
+    def _stream(
+        self, log: ResponseEvents | RemoteLog, after: int, client: str, run: asyncio.Task[None] | None
+    ) -> SseStream:
         """SSE of a response's events after `after`, holding one of `client`'s streams (opened
         by the caller) until it ends however it ends; `run`: a foreground response's task,
         which never outlives its reader."""
@@ -132,14 +169,20 @@ class ResponsesHttp:
         settings = self.state.settings
         return SseStream(_sse(log, after), settings.send_timeout_s, close, keep_alive_s=settings.sse_keep_alive_s)
 
-    def _log(self, request: Request) -> ResponseEvents | None:
+    async def _find(self, request: Request) -> ResponseEvents | RemoteLog | None:
         """The response's log if it is the caller's tenant's (its key, and the `cache_salt` query
-        parameter its create carried): another tenant's is not found, as an unknown id."""
+        parameter its create carried): another tenant's is not found, as an unknown id. Under
+        Serve, a response another replica runs (or ran) is read from the shared log."""
         tenant = tenant_salt(presented_key(request.headers), request.query_params.get("cache_salt"))
-        return self.state.logs.get(request.path_params["response_id"], tenant)
+        response_id = request.path_params["response_id"]
+        logs = self.state.logs
+        found = logs.get(response_id, tenant)
+        if (found is None or found.moved) and logs.shared:
+            return await cast("MirroredLogs", logs).fetch(response_id, tenant)
+        return found
 
 
-async def _sse(log: ResponseEvents, after: int) -> AsyncGenerator[bytes | str, None]:
+async def _sse(log: ResponseEvents | RemoteLog, after: int) -> AsyncGenerator[bytes | str, None]:
     try:
         async for kind, data in log.follow(after):  # kept as JSON: sent as it is
             yield b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"

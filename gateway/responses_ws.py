@@ -53,6 +53,8 @@ class Lane:
 
 
 class ResponsesSocket:
+    direct = True  # sends its runs' events itself (response_run.Transport)
+
     def __init__(self, ws: WebSocket, state: GatewayState) -> None:
         self.ws = ws
         self.state = state

@@ -34,9 +34,11 @@ from cadenza.config import DEFAULT_MODEL
 from cadenza.gateway.app import build_app as build_gateway
 from cadenza.gateway.autoscaling import KV_USAGE, RUNNING, WAITING
 from cadenza.gateway.kv_directory import KVDirectory, directory_name
+from cadenza.gateway.mirrored_logs import MirroredLogs, SharedLogClient
 from cadenza.gateway.peer_kv import PeerKVEngine
 from cadenza.gateway.replica_metrics import MetricsBoard, board_name
 from cadenza.gateway.settings import GatewaySettings
+from cadenza.gateway.shared_log import log_name
 from cadenza.gateway.shared_store import SharedStore, store_name
 
 REPLICA_HEADER = "x-cadenza-replica"
@@ -83,15 +85,22 @@ class CadenzaDeployment:
         # /metrics on any replica answers for all of them (gateway/replica_metrics.py).
         name = board_name(self.app_name, self.model_name)
         self.board = MetricsBoard(name, self.replica_id, s.metrics_push_interval_s)
+        # Every response's events in one log: read and cancelled from any replica, re-issued on a
+        # survivor when its replica dies (gateway/shared_log.py).
+        name = log_name(self.app_name, self.model_name)
+        client = SharedLogClient(name, s.response_log_bounds, s.response_owner_timeout_s)
+        self.logs = MirroredLogs(s.response_log_bounds, client, self.replica_id, s.response_log_flush_s)
         app = build_gateway(
-            self.engine, self.model_name, self.settings, check_host=check_host, store=store, metrics_board=self.board
-        )
+            self.engine, self.model_name, self.settings, check_host=check_host, store=store,
+            metrics_board=self.board, logs=self.logs,
+        )  # fmt: skip
         return _ReplicaHeader(app, self.replica_id)
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising gets the replica replaced."""
         if getattr(self, "board", None) is not None:
             self.board.start()  # the first check comes as the replica starts: post from then on
+            self.logs.start()
         await self.engine.check_health()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -102,6 +111,9 @@ class CadenzaDeployment:
         return {RUNNING: engine.num_running, WAITING: engine.num_waiting, KV_USAGE: max(in_use, 0.0)}
 
     def __del__(self) -> None:
+        logs = getattr(self, "logs", None)
+        if logs is not None:  # its unfinished responses go to the survivors now, not at the lease's end
+            logs.client.leave(self.replica_id)
         engine = getattr(self, "engine", None)
         if isinstance(engine, PeerKVEngine):  # out of the KV directory, its conversations' KV to a survivor
             engine.hand_over()

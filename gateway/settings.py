@@ -217,6 +217,18 @@ class GatewaySettings:
         "responses",
         "under Ray Serve: a KV pull from another replica slower than this is dropped and the prefix recomputed",
     )
+    response_owner_timeout_s: float = setting(
+        5.0,
+        "responses",
+        "under Ray Serve: a replica that has not written to the shared response log for this long is taken for "
+        "dead, and its unfinished responses are re-issued on a survivor (gateway/shared_log.py)",
+    )
+    response_log_flush_s: float = setting(
+        0.5,
+        "responses",
+        "under Ray Serve: the longest a replica goes without writing to the shared response log (its lease, and "
+        "when it hears of cancels sent to other replicas); below response_owner_timeout_s",
+    )
     metrics_prefix: str = setting(
         "cadenza",
         "observability",
@@ -254,9 +266,12 @@ class GatewaySettings:
         if self.max_queued_requests < 0 or self.response_store_ttl_s <= 0:
             raise ValueError("max_queued_requests must be >= 0 and response_store_ttl_s > 0")
         timeouts = ("send_timeout_s", "idle_timeout_s", "header_timeout_s", "drain_timeout_s", "response_log_ttl_s")
-        for name in (*timeouts, "metrics_push_interval_s", "kv_pull_timeout_s"):
+        shared_log = ("response_owner_timeout_s", "response_log_flush_s")
+        for name in (*timeouts, "metrics_push_interval_s", "kv_pull_timeout_s", *shared_log):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.response_log_flush_s >= self.response_owner_timeout_s:
+            raise ValueError("response_log_flush_s must be below response_owner_timeout_s (a live replica's lease)")
         if self.tool_call_parser not in ("auto", *PARSERS):
             choices = ", ".join(PARSERS)
             raise ValueError(f"tool_call_parser must be auto or one of {choices}, got {self.tool_call_parser!r}")
@@ -290,6 +305,14 @@ class GatewaySettings:
         if min(grammar_caps) < 1 or self.grammar_compile_timeout_s <= 0:
             message = "max_grammar_bytes, max_grammar_requests(_per_client) must be >= 1, grammar_compile_timeout_s > 0"
             raise ValueError(message)
+
+    @property
+    def response_log_bounds(self) -> tuple[int, float, int, int, int]:
+        """ResponseLogs' bounds, in its argument order."""
+        return (
+            self.response_log_size, self.response_log_ttl_s, self.response_log_max_events,
+            self.response_log_max_bytes, self.response_log_max_response_bytes,
+        )  # fmt: skip
 
     @property
     def own_origins(self) -> tuple[str, ...]:

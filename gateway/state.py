@@ -66,7 +66,10 @@ class GatewayState:
         settings: GatewaySettings,
         tracing: Tracing,
         store: ConversationStore | None = None,
+        logs: ResponseLogs | None = None,
     ) -> None:
+        """store, logs: the conversations and the response events (this process's by default;
+        under Serve, shared by every replica)."""
         self.engine = engine
         self.model_name = model_name
         self.settings = settings
@@ -75,10 +78,7 @@ class GatewayState:
         self.drain = Drain(self.admission)  # shutdown: refuse new work, end what outlives the drain
         s = settings
         self.store = store or LocalStore(s.response_store_size, s.response_store_ttl_s, s.response_store_max_bytes)
-        self.logs = ResponseLogs(
-            s.response_log_size, s.response_log_ttl_s, s.response_log_max_events,
-            s.response_log_max_bytes, s.response_log_max_response_bytes,
-        )  # fmt: skip
+        self.logs = logs if logs is not None else ResponseLogs(*s.response_log_bounds)  # an empty one is falsy
         self.tokenizer = engine.get_tokenizer()
         # The model's generation_config sampling defaults (an engine double may have none).
         self.sampling_defaults: dict[str, float] = dict(getattr(engine, "sampling_defaults", None) or {})
@@ -99,12 +99,15 @@ class GatewayState:
         cache_salt: str | None = None,
         priority: int = 0,
         session_id: str | None = None,
+        resume_from: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's deltas, paced when stream_pacing is set and the client reads a stream."""
+        """The engine's deltas, paced when stream_pacing is set and the client reads a stream;
+        resume_from: outputs already produced (a re-issued response goes on after them)."""
         pace = stream and self.settings.stream_pacing
+        more = {"resume_from": resume_from} if resume_from else {}  # engine doubles need not know it
         deltas = self.engine.generate(
             TokensPrompt(prompt_ids), params, request_id=request_id, pace=pace,
-            cache_salt=cache_salt, priority=priority, session_id=session_id,
+            cache_salt=cache_salt, priority=priority, session_id=session_id, **more,
         )  # fmt: skip
         return self.drain.track(deltas)
 
@@ -127,6 +130,13 @@ class GatewayState:
         self.check_model(create.model)
         self.check_session_key(create.prompt_cache_key)
         tenant = tenant_salt(presented_key(headers) if headers is not None else None, create.cache_salt)
+        priority = request_priority(create.priority, create.service_tier, headers, self.settings)
+        return await self.prepare_as(create, tenant, priority, response_id)
+
+    async def prepare_as(
+        self, create: ResponseCreate, tenant: str | None, priority: int, response_id: str | None = None
+    ) -> PreparedResponse:
+        """prepare for a known tenant and priority (a re-issue on another replica has no headers)."""
         try:
             new = input_messages(create.input)
         except ValueError as e:
@@ -145,7 +155,6 @@ class GatewayState:
         params = self._params(create, len(prompt_ids), grammar)
         self.check(params, prompt_ids, "input")
         session = create.prompt_cache_key or session or response_id  # the engine keys it by tenant
-        priority = request_priority(create.priority, create.service_tier, headers, self.settings)
         echo = _echo(create.text if text_format else None, chat, tools)
         return PreparedResponse(
             response_id, messages, prompt_ids, params, tools, session, priority, tenant,

@@ -10,6 +10,7 @@ import signal
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -63,7 +64,10 @@ def two_replicas(ray_cluster, tiny_chat_model: Path):  # noqa: ANN201
     app = CadenzaDeployment.options(
         num_replicas=2, request_router_config=SESSION_ROUTER, health_check_period_s=1, health_check_timeout_s=10
     ).bind(
-        str(tiny_chat_model), "tiny", {"num_blocks": 256, "max_engine_restarts": 1}, {"metrics_push_interval_s": 0.5}
+        str(tiny_chat_model),
+        "tiny",
+        {"num_blocks": 256, "max_engine_restarts": 1},
+        {"metrics_push_interval_s": 0.5, "response_owner_timeout_s": 2.0, "response_log_flush_s": 0.2},
     )
     serve.run(app, name="cadenza", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -253,3 +257,68 @@ def test_a_disaggregated_replica_serves_beside_the_others(two_replicas: str, tin
         assert stats["kv_transfer"]["num_handoffs"] == 1 and stats["kv_transfer"]["num_blocks_imported"] > 0
     finally:
         serve.delete("cadenza-pd")
+
+
+def _post(url: str, body: dict, session: str) -> urllib.request.Request:
+    headers = {"Content-Type": "application/json", "x-session-id": session}
+    return urllib.request.Request(url + "/v1/responses", json.dumps(body).encode(), headers)
+
+
+def _sse(response: Any, limit: int | None = None) -> list[dict]:  # noqa: ANN401 - an HTTP response
+    events = []
+    for line in response:
+        if line.startswith(b"data: "):
+            events.append(json.loads(line[6:]))
+            if len(events) == limit:
+                break
+    return events
+
+
+def _resume(url: str, rid: str, after: int) -> list[dict]:
+    """The response's events after `after`, from whichever replica answers (the dead one's
+    requests fail until Serve stops routing to it)."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "no replica resumed the response"
+        query = f"/v1/responses/{rid}?stream=true&starting_after={after}"
+        request = urllib.request.Request(url + query, headers={"x-session-id": f"resume-{time.monotonic()}"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return _sse(r)
+        except OSError:
+            time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_a_streamed_response_survives_the_sigkill_of_its_replica(two_replicas: str) -> None:
+    """The replica running a streamed greedy response is SIGKILLed mid-stream: the client resumes
+    through the proxy, a survivor re-issues the response from the shared log, and the resumed
+    stream equals the uncut reference, no event missing or repeated."""
+    import ray
+
+    from cadenza.gateway.shared_log import log_name
+
+    body = {"model": "tiny", "input": "tell me a long story", "max_output_tokens": 300, "temperature": 0}
+    with urllib.request.urlopen(_post(two_replicas, body, "reference"), timeout=120) as r:
+        reference = json.loads(r.read())
+    uncut = reference["output"][0]["content"][0]["text"]
+    victim, stats = _stats(two_replicas, "doomed")
+    streamed = {**body, "stream": True, "background": True}
+    with urllib.request.urlopen(_post(two_replicas, streamed, "doomed"), timeout=120) as r:
+        assert r.headers["x-cadenza-replica"] == victim  # the session's replica runs it
+        seen = _sse(r, limit=12)
+        os.kill(stats["gateway"]["gateway_pid"], signal.SIGKILL)
+    assert seen[-1]["type"] == "response.output_text.delta"  # cut mid-stream
+    rid = seen[0]["response"]["id"]
+    events = seen + _resume(two_replicas, rid, len(seen) - 1)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert events[-1]["type"] == reference_terminal(reference) and text == uncut
+    # The shared log says so: the response was re-issued, not merely replayed.
+    name = log_name("cadenza", "tiny")
+    (where,) = [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
+    assert ray.get(ray.get_actor(name, namespace=where).stats.remote())["reissued"] >= 1
+
+
+def reference_terminal(response: dict) -> str:
+    return "response.completed" if response["status"] == "completed" else "response.incomplete"
