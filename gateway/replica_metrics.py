@@ -5,8 +5,9 @@ requests. Each replica therefore posts its metrics text to one detached actor pe
 application (`board_name`) every `metrics_push_interval_s`, and a replica answering /metrics
 returns its own (rendered now) merged with the others' latest, each sample labelled with its
 `replica`. A replica that stops posting (gone, or stuck) drops out after three intervals.
-Why not Ray's metrics export: it needs Ray's metrics agent and a Prometheus that discovers
-every node; this keeps the one /metrics URL (and vLLM's names) that `cadenza serve` has.
+This keeps the one /metrics URL (and vLLM's names) that `cadenza serve` has; on the same timer
+each replica also records its samples through Ray's metrics export (ray_metrics.py), for a
+cluster's Prometheus that scrapes every node.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadenza.gateway.named_actor import NamedActorClient
+from cadenza.gateway.ray_metrics import RayMetricsExport
 
 ACTOR_PREFIX = "cadenza-metrics-board"
 # A replica silent for this many intervals is left out of the merged view.
@@ -73,9 +75,12 @@ class MetricsBoard(NamedActorClient):
             self.task = asyncio.get_running_loop().create_task(self._post_forever())
 
     async def _post_forever(self) -> None:
+        export = RayMetricsExport()
         while True:
             with contextlib.suppress(Exception):  # a missed post only ages this replica's figures
-                await self._call("post", self.replica, (await self.render()).decode())
+                text = (await self.render()).decode()
+                await self._call("post", self.replica, text)
+                export.record(text)
             await asyncio.sleep(self.interval_s)
 
     async def scrape(self, own_text: bytes) -> bytes:

@@ -24,6 +24,7 @@ import dataclasses
 import os
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -42,6 +43,7 @@ from cadenza.gateway.shared_log import log_name
 from cadenza.gateway.shared_store import SharedStore, store_name
 
 REPLICA_HEADER = "x-cadenza-replica"
+NODE_HEADER = "x-cadenza-node"  # the Ray node the replica runs on
 API_KEY_ENV = "CADENZA_API_KEY"
 SESSION_ROUTER = RequestRouterConfig(request_router_class="cadenza.gateway.serve_router:SessionAffinityRouter")
 
@@ -94,7 +96,7 @@ class CadenzaDeployment:
             self.engine, self.model_name, self.settings, check_host=check_host, store=store,
             metrics_board=self.board, logs=self.logs,
         )  # fmt: skip
-        return _ReplicaHeader(app, self.replica_id)
+        return _ReplicaHeader(app, self.replica_id, ray.get_runtime_context().get_node_id())
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising gets the replica replaced."""
@@ -129,15 +131,17 @@ def gateway_with_env_key(gateway: dict[str, Any]) -> dict[str, Any]:
 
 
 class _ReplicaHeader:
-    """Names the replica in every HTTP response (and websocket handshake) as x-cadenza-replica."""
+    """Names the replica and its Ray node in every HTTP response (and websocket handshake), as
+    x-cadenza-replica and x-cadenza-node."""
 
-    def __init__(self, app: ASGIApp, replica_id: str) -> None:
-        self.app, self.header = app, (REPLICA_HEADER.encode(), replica_id.encode())
+    def __init__(self, app: ASGIApp, replica_id: str, node_id: str) -> None:
+        self.app = app
+        self.headers = [(REPLICA_HEADER.encode(), replica_id.encode()), (NODE_HEADER.encode(), node_id.encode())]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def tagged(message: dict) -> None:
             if message["type"] in ("http.response.start", "websocket.accept"):
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
+                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
             await send(message)
 
         await self.app(scope, receive, tagged if scope["type"] in ("http", "websocket") else send)

@@ -69,7 +69,8 @@ def ray_cluster() -> None:
 
     from cadenza.actors.local_ray import init_local_ray
 
-    init_local_ray(8, logging_level="error")
+    # Ray's metrics agents report every 2 s rather than 10 (the Serve test reads its export).
+    init_local_ray(8, logging_level="error", _system_config={"metrics_report_interval_ms": 2000})
     yield
     ray.shutdown()
 

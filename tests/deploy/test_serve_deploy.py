@@ -53,16 +53,29 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_replicas(ray_cluster, tiny_chat_model: Path):  # noqa: ANN201
+def two_replicas(ray_cluster, tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """Two replicas on two Ray nodes (a second raylet joined on loopback): every test here, KV
+    pulls and the shared response log included, crosses nodes."""
+    from cadenza_testkit.ray_nodes import second_node
     from cadenza_testkit.servers import free_port
+
+    with second_node(4, tmp_path_factory.mktemp("ray_node") / "ray_start.log"):
+        yield from _two_replicas(tiny_chat_model, free_port())
+
+
+def _two_replicas(tiny_chat_model: Path, port: int):  # noqa: ANN202 - the fixture's generator
     from ray import serve
 
     from cadenza.gateway.serve_app import SESSION_ROUTER, CadenzaDeployment
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # One proxy: a second one, on the second node's (same) address, could not bind the port.
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     app = CadenzaDeployment.options(
-        num_replicas=2, request_router_config=SESSION_ROUTER, health_check_period_s=1, health_check_timeout_s=10
+        num_replicas=2,
+        max_replicas_per_node=1,
+        request_router_config=SESSION_ROUTER,
+        health_check_period_s=1,
+        health_check_timeout_s=10,
     ).bind(
         str(tiny_chat_model),
         "tiny",
@@ -108,10 +121,39 @@ def test_two_replicas_serve_http_and_websockets_with_session_affinity(two_replic
 
     alice = {_get(two_replicas, {"x-session-id": "alice"})[0] for _ in range(6)}
     assert len(alice) == 1  # one session, one replica
-    spread = {_get(two_replicas, {"x-session-id": f"user-{i}"})[0] for i in range(8)}
-    assert len(spread) == 2  # sessions spread over both replicas
+    answers = [_answer(two_replicas, f"user-{i}") for i in range(8)]
+    spread = {replica for replica, _ in answers}
+    assert len(spread) == 2 and len({node for _, node in answers}) == 2  # both replicas, one per node
     # /metrics, whichever replica answers, holds both replicas' requests, each labelled.
     until_sync(lambda: _replicas_in_metrics(two_replicas) == spread, "both replicas in one scrape")
+    # And through Ray's metrics export, as a cluster's Prometheus scrapes every node: each
+    # replica's samples, tagged with its replica.
+    deadline = time.monotonic() + 90  # Ray's agents report every metrics_report_interval_ms
+    while not _exported_for(spread):
+        assert time.monotonic() < deadline, "both replicas not in Ray's metrics export"
+        time.sleep(1)
+
+
+def _exported_for(replicas: set[str]) -> bool:
+    import ray
+
+    text = ""
+    for node in ray.nodes():
+        if node["Alive"]:
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            with urllib.request.urlopen(url, timeout=30) as r:
+                text += r.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("ray_cadenza_request_success_total{")]
+    tagged = {line.split('replica="', 1)[1].split('"', 1)[0] for line in lines if 'replica="' in line}
+    return all(any(replica in tag for tag in tagged) for replica in replicas)
+
+
+def _answer(url: str, session: str) -> tuple[str, str]:
+    """The replica and the Ray node that answer a chat request of `session`."""
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    headers = {"Content-Type": "application/json", "x-session-id": session}
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body, headers), timeout=60) as r:
+        return r.headers["x-cadenza-replica"], r.headers["x-cadenza-node"]
 
 
 def _replicas_in_metrics(url: str) -> set[str]:
