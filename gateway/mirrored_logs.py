@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 READ_WAIT_S = 10.0  # a remote reader's long poll: the actor answers sooner when events come
 LEAVE_TIMEOUT_S = 5.0
+FLUSH_TIMEOUT_S = 10.0  # a flush unanswered this long counts as failed
 
 
 class SharedLogClient(NamedActorClient):
@@ -83,6 +84,7 @@ class MirroredLogs(ResponseLogs):
     def open(self, response_id: str, tenant: str | None = None, spec: Any = None) -> ResponseEvents:  # noqa: ANN401
         entry = super().open(response_id, tenant)
         if spec is not None:
+            self.start()  # normally running since the replica's first health check
             entry.durable = 0
             self.mirrors[entry] = _Mirror(0, spec)
             self.changed(entry)
@@ -128,7 +130,7 @@ class MirroredLogs(ResponseLogs):
             self._kick.clear()
             try:
                 await self.flush_once()
-            except Exception:  # the log restarts empty (named_actor); keep serving, retry next round
+            except Exception:  # those responses go on unmirrored; the next ones try again
                 log.warning("flushing to the shared response log failed", exc_info=True)
                 await asyncio.sleep(self.flush_s)
 
@@ -137,9 +139,12 @@ class MirroredLogs(ResponseLogs):
         self.dirty.clear()
         updates = [self._update(entry) for entry in entries]
         try:
-            reply = await self.client.flush(self.owner, updates)
-        except BaseException:
-            self.dirty.update(dict.fromkeys(entries))  # resent whole: the log adds nothing twice
+            reply = await asyncio.wait_for(self.client.flush(self.owner, updates), FLUSH_TIMEOUT_S)
+        except asyncio.CancelledError:
+            self.dirty.update(dict.fromkeys(entries))
+            raise
+        except Exception:
+            self._unmirror(entries)
             raise
         for entry, update in zip(entries, updates, strict=True):
             self._acknowledged(entry, update)
@@ -153,6 +158,15 @@ class MirroredLogs(ResponseLogs):
             response if response != m.response else None, m.deltas_sent, list(m.deltas),
             entry.overflowed, entry.done, m.spec,
         )  # fmt: skip
+
+    def _unmirror(self, entries: list[ResponseEvents]) -> None:
+        """The shared log did not answer (named_actor already retried once on a fresh actor):
+        these responses go on as on one gateway, readable here only, rather than keep their
+        clients waiting on a log that may not come back."""
+        for entry in entries:
+            self.mirrors.pop(entry, None)
+            entry.durable = None
+            entry.notify()
 
     def _acknowledged(self, entry: ResponseEvents, u: LogUpdate) -> None:
         m = self.mirrors.get(entry)

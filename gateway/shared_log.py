@@ -109,6 +109,7 @@ class LogBoard:
         if entry is None and u.spec is not None:
             entry = self.entries.open(u.response_id, u.spec.tenant)
             entry.owner, entry.spec = owner, u.spec
+            entry.logs.charge(entry, len(u.spec.create))  # the request is held as long as its events
         if not isinstance(entry, _Entry) or entry.owner != owner or entry.epoch != u.epoch:
             return False
         for i, (kind, data) in enumerate(u.events, start=u.first):

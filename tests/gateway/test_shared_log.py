@@ -115,6 +115,7 @@ def test_two_replicas_over_one_shared_log(tiny_chat_model: Path) -> None:
         try:
             await _re_issue(engines)
             await _cancel_elsewhere(engines)
+            await _log_down(engines[0])
         finally:
             for engine in engines:
                 engine.shutdown()
@@ -181,3 +182,21 @@ async def _cancel_elsewhere(engines: list) -> None:
     assert (await b.get("/v1/responses/resp_unknown")).status_code == 404
     await a.aclose()
     await b.aclose()
+
+
+class DownClient(BoardClient):
+    async def flush(self, owner: str, updates: list[LogUpdate]) -> FlushReply:
+        raise ConnectionError("the shared log is unreachable")
+
+
+async def _log_down(engine: Any) -> None:  # noqa: ANN401
+    """With the shared log unreachable, responses go on as on one gateway: answered, readable
+    here, never left waiting for an acknowledgement that will not come."""
+    logs = MirroredLogs(BOUNDS, DownClient(LogBoard(BOUNDS, 5.0)), "A", flush_s=0.05)  # type: ignore[arg-type]
+    app = build_app(engine, "tiny", GatewaySettings(), logs=logs)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1")
+    whole = (await client.post("/v1/responses", json=BODY)).json()
+    assert whole["status"] == "incomplete" and whole["usage"]["output_tokens"] == 40
+    events = await _events(client, whole["id"], -1)
+    assert events[-1]["type"] == "response.incomplete" and logs.mirrors == {}
+    await client.aclose()
