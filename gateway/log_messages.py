@@ -64,6 +64,7 @@ class FlushReply(msgspec.Struct):
     cancels: list[str]  # this owner's responses another replica cancelled
     fenced: list[str]  # responses this owner no longer owns (re-issued elsewhere)
     adopted: list[Adoption]
+    lost: list[str] = []  # unknown to the log (it restarted empty): send them again, whole
 
 
 class LogSlice(msgspec.Struct):

@@ -57,15 +57,16 @@ class SharedLogClient(NamedActorClient):
 
 @dataclass(eq=False)
 class _Mirror:
-    """What the shared log acknowledged of one local response."""
+    """What the shared log acknowledged of one local response (all of it kept here, so a log
+    that restarted empty gets it again whole)."""
 
     epoch: int
-    spec: ReissueSpec | None  # sent with the first update
+    spec: ReissueSpec
+    send_spec: bool = True  # with the first update (and a resend after the log restarted)
     events: int = 0
     response: bytes = b""
     deltas: list[bytes] = field(default_factory=list)
     deltas_sent: int = 0
-    done: bool = False
 
 
 class MirroredLogs(ResponseLogs):
@@ -98,8 +99,10 @@ class MirroredLogs(ResponseLogs):
         entry.count, entry.overflowed = adoption.count, adoption.overflowed
         entry.add_response(adoption.response)
         entry.durable = len(entry.events)
-        mirror = _Mirror(adoption.epoch, None, len(entry.events), adoption.response, deltas_sent=len(adoption.deltas))
-        self.mirrors[entry] = mirror
+        self.mirrors[entry] = _Mirror(
+            adoption.epoch, adoption.spec, False, len(entry.events), adoption.response,
+            list(adoption.deltas), len(adoption.deltas),
+        )  # fmt: skip
         self.reissued += 1
         return entry
 
@@ -146,8 +149,9 @@ class MirroredLogs(ResponseLogs):
         except Exception:
             self._unmirror(entries)
             raise
+        lost = set(reply.lost)
         for entry, update in zip(entries, updates, strict=True):
-            self._acknowledged(entry, update)
+            self._acknowledged(entry, update, lost)
         self._apply(reply)
 
     def _update(self, entry: ResponseEvents) -> LogUpdate:
@@ -155,8 +159,8 @@ class MirroredLogs(ResponseLogs):
         response = entry.response_json
         return LogUpdate(
             entry.response_id, m.epoch, m.events, entry.events[m.events :], entry.count,
-            response if response != m.response else None, m.deltas_sent, list(m.deltas),
-            entry.overflowed, entry.done, m.spec,
+            response if response != m.response else None, m.deltas_sent, m.deltas[m.deltas_sent :],
+            entry.overflowed, entry.done, m.spec if m.send_spec else None,
         )  # fmt: skip
 
     def _unmirror(self, entries: list[ResponseEvents]) -> None:
@@ -168,16 +172,19 @@ class MirroredLogs(ResponseLogs):
             entry.durable = None
             entry.notify()
 
-    def _acknowledged(self, entry: ResponseEvents, u: LogUpdate) -> None:
+    def _acknowledged(self, entry: ResponseEvents, u: LogUpdate, lost: set[str]) -> None:
         m = self.mirrors.get(entry)
         if m is None:
             return
-        m.spec = None
+        if u.response_id in lost:  # sent again, whole, at the next flush
+            m.send_spec, m.events, m.response, m.deltas_sent = True, 0, b"", 0
+            self.changed(entry)
+            return
+        m.send_spec = False
         m.events = u.first + len(u.events)
         m.response = u.response if u.response is not None else m.response
-        del m.deltas[: len(u.deltas)]
         m.deltas_sent += len(u.deltas)
-        entry.durable = m.events
+        entry.durable = max(entry.durable or 0, m.events)
         entry.notify()
         if u.done:
             del self.mirrors[entry]

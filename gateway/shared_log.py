@@ -38,6 +38,7 @@ ACTOR_PREFIX = "cadenza-response-log"
 ADOPT_AT_ONCE = 16  # orphaned responses handed to one flush, at most
 SCAN_INTERVAL_S = 0.25  # how often the log looks for orphans (it scans every unfinished log)
 READ_BATCH = 512  # events per read answer, at most
+TAKEN, FENCED, LOST = "taken", "fenced", "lost"
 
 
 class _Entry(ResponseEvents):
@@ -69,11 +70,13 @@ class LogBoard:
     def flush(self, owner: str, updates: list[LogUpdate], now: float | None = None) -> FlushReply:
         now = time.monotonic() if now is None else now
         self.seen[owner] = now
-        fenced = [u.response_id for u in updates if not self._take(owner, u)]
+        verdicts = {u.response_id: self._take(owner, u) for u in updates}
+        fenced = [rid for rid, verdict in verdicts.items() if verdict == FENCED]
+        lost = [rid for rid, verdict in verdicts.items() if verdict == LOST]
         cancels = [rid for rid in self.cancelling if self._owned(rid, owner)]
         self.cancelling.difference_update(cancels)
         adopted = self._adopt(owner, now) if now >= self.next_scan else []
-        return FlushReply(cancels, fenced, adopted)
+        return FlushReply(cancels, fenced, adopted, lost)
 
     def leave(self, owner: str) -> None:
         """The owner stops (Serve drains it): its unfinished responses go at the next flush."""
@@ -103,15 +106,18 @@ class LogBoard:
         entry = self.entries.get_any(response_id)
         return isinstance(entry, _Entry) and entry.owner == owner and not entry.done
 
-    def _take(self, owner: str, u: LogUpdate) -> bool:
-        """Applies an update from the response's owner; False: it is not (or no longer) the owner."""
+    def _take(self, owner: str, u: LogUpdate) -> str:
+        """Applies an update from the response's owner: TAKEN; FENCED: `owner` no longer owns it;
+        LOST: unknown here (this log restarted empty) and the update is not whole."""
         entry = self.entries.get_any(u.response_id)
-        if entry is None and u.spec is not None:
+        if entry is None:
+            if u.spec is None:
+                return LOST
             entry = self.entries.open(u.response_id, u.spec.tenant)
-            entry.owner, entry.spec = owner, u.spec
+            entry.owner, entry.spec, entry.epoch = owner, u.spec, u.epoch
             entry.logs.charge(entry, len(u.spec.create))  # the request is held as long as its events
         if not isinstance(entry, _Entry) or entry.owner != owner or entry.epoch != u.epoch:
-            return False
+            return FENCED
         for i, (kind, data) in enumerate(u.events, start=u.first):
             if i == len(entry.events) and not entry.overflowed:  # a resent flush adds nothing twice
                 entry.add(kind, data, None)
@@ -124,7 +130,7 @@ class LogBoard:
         entry.overflowed = entry.overflowed or u.overflowed
         if u.done and not entry.done:
             entry.finish()
-        return True
+        return TAKEN
 
     def _adopt(self, owner: str, now: float) -> list[Adoption]:
         """Up to ADOPT_AT_ONCE unfinished responses whose owner's lease ran out, now `owner`'s."""

@@ -62,6 +62,12 @@ async def _board_rules() -> None:
     board.flush("C", [_update("r2", 0, ["a"], spec=SPEC)], now=8.0)
     board.leave("C")
     assert [a.response_id for a in board.flush("B", [], now=8.5).adopted] == ["r2"]
+    # A log that restarted empty asks for what it does not know, whole; the epoch is kept.
+    fresh = LogBoard(BOUNDS, owner_timeout_s=5.0)
+    assert fresh.flush("B", [_update("r1", 4, ["e"], epoch=1)], now=0.0).lost == ["r1"]
+    whole = _update("r1", 0, ["a", "b", "c", "d", "e"], epoch=1, spec=SPEC)
+    assert fresh.flush("B", [whole], now=0.1) == FlushReply([], [], [], [])
+    assert (await fresh.read("r1", None, -1, 0.0)).kept == 5
 
 
 class BoardClient:
@@ -115,6 +121,7 @@ def test_two_replicas_over_one_shared_log(tiny_chat_model: Path) -> None:
         try:
             await _re_issue(engines)
             await _cancel_elsewhere(engines)
+            await _log_restarts(engines)
             await _log_down(engines[0])
         finally:
             for engine in engines:
@@ -180,6 +187,25 @@ async def _cancel_elsewhere(engines: list) -> None:
     assert cancelled["status"] == "cancelled" and cancelled["usage"]["output_tokens"] < 40
     assert (await a.get(f"/v1/responses/{rid}")).json()["status"] == "cancelled"
     assert (await b.get("/v1/responses/resp_unknown")).status_code == 404
+    await a.aclose()
+    await b.aclose()
+
+
+async def _log_restarts(engines: list) -> None:
+    """The shared log restarts empty mid-response: its owner sends the response again, whole,
+    and every replica reads it complete."""
+    board = LogBoard(BOUNDS, owner_timeout_s=5.0)
+    a, a_logs = _replica(SlowEngine(engines[0], 0.02), board, "A")
+    b, b_logs = _replica(engines[1], board, "B")
+    rid = (await a.post("/v1/responses", json={**BODY, "background": True})).json()["id"]
+    await until(lambda: len(board.entries.get(rid).events) >= 6, "some events in the first log")
+    fresh = LogBoard(BOUNDS, owner_timeout_s=5.0)
+    a_logs.client.board = b_logs.client.board = fresh  # type: ignore[attr-defined]
+    # Unknown there until its owner's next flush (at most response_log_flush_s later).
+    await until(lambda: fresh.entries.get(rid) is not None, "the response sent again to the new log")
+    events = await _events(b, rid, -1)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["usage"]["output_tokens"] == 40
     await a.aclose()
     await b.aclose()
 
