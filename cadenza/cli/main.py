@@ -111,6 +111,13 @@ def cmd_bench_moved_session(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_shared_log(args: argparse.Namespace) -> int:
+    from cadenza.benchmarks.shared_log import run_shared_log_bench
+
+    run_shared_log_bench(args)
+    return 0
+
+
 def cmd_bench_shared_document(args: argparse.Namespace) -> int:
     from cadenza.benchmarks.shared_document import run_shared_document_bench
 
@@ -236,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_shared_document_args(shared)
     shared.set_defaults(func=cmd_bench_shared_document)
+    log_help = "the shared response log's cost per event under Serve: append to acknowledgement"
+    shared_log = bench_sub.add_parser("shared-log", help=log_help)
+    from cadenza.benchmarks.shared_log import add_shared_log_args
+
+    add_shared_log_args(shared_log)
+    shared_log.set_defaults(func=cmd_bench_shared_log)
     gpu = sub.add_parser("gpu-check", help="every Triton kernel and the whole model on CUDA, against torch (JSON)")
     from cadenza.benchmarks.gpu_check_args import add_gpu_check_args
 

@@ -94,12 +94,15 @@ def test_moe_tensor_and_expert_parallel_match_one_worker(ray_cluster, tiny_model
 
 
 @pytest.mark.slow
-def test_smollm_parallel_layouts_match_one_worker(ray_cluster) -> None:
+def test_smollm_tensor_parallel_matches_one_worker(ray_cluster) -> None:
+    """The real model where it is the point: TP=2 splits its 9 query / 3 KV heads unevenly. Its
+    pipeline layouts split 30 layers evenly, which the tiny models' layouts above cover (each
+    real-model layout costs ~13 s of the suite)."""
     path, cfg = read_model(DEFAULT_MODEL)
     assert (cfg.num_heads, cfg.num_kv_heads) == (9, 3)  # TP=2 splits its heads unevenly
     prompts = [[(31 * i + 17 * j) % 40000 + 200 for j in range(12 + 20 * i)] for i in range(3)]
     expected = _reference(DEFAULT_MODEL, prompts, 16)
-    for tp, pp in LAYOUTS:
+    for tp, pp in [(2, 1)]:
         llm = AsyncLLM(DEFAULT_MODEL, num_blocks=128, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         try:
             assert _greedy_tokens(llm, prompts, 16) == expected, f"tp={tp} pp={pp}"
