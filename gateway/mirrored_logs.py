@@ -79,6 +79,7 @@ class MirroredLogs(ResponseLogs):
         self.dirty: dict[ResponseEvents, None] = {}  # ordered set
         self.on_adopt: Callable[[Adoption], None] = lambda adoption: None
         self.reissued = 0
+        self.early_cancels: set[str] = set()  # cancels for adopted responses not yet re-issued
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -105,6 +106,13 @@ class MirroredLogs(ResponseLogs):
         )  # fmt: skip
         self.reissued += 1
         return entry
+
+    def take_cancel(self, response_id: str) -> bool:
+        """Whether a cancel came for this adopted response before its re-issue started."""
+        if response_id in self.early_cancels:
+            self.early_cancels.discard(response_id)
+            return True
+        return False
 
     def changed(self, entry: ResponseEvents) -> None:
         if entry in self.mirrors:
@@ -194,6 +202,8 @@ class MirroredLogs(ResponseLogs):
         for rid in reply.cancels:
             if (entry := by_id.get(rid)) is not None:
                 entry.cancel()
+            else:  # a response adopted here whose re-issue has not started yet
+                self.early_cancels.add(rid)
         for rid in reply.fenced:  # re-issued elsewhere: stop here, quietly
             if (entry := by_id.get(rid)) is not None:
                 entry.moved = True

@@ -66,6 +66,7 @@ class ResponseRun:
         state = transport.state
         self.replay: list[RequestOutput] = []
         self.skip = 0  # events the log holds already (a re-issue regenerates them)
+        self.cancel_after_replay = False
         if adoption is not None:
             self.created_at = adoption.spec.created_at
             self.log = state.logs.restore(adoption)
@@ -114,7 +115,11 @@ class ResponseRun:
         await self.transport.send(event, self.sid)
 
     def cancel(self) -> None:
-        """A cancel from outside its socket (HTTP); past its stream it completes as it is."""
+        """A cancel from outside its socket (HTTP); past its stream it completes as it is. A
+        re-issue's replay is not cut (its events must be the log's): the cancel waits for its end."""
+        if self.skip or self.replay:
+            self.cancel_after_replay = True
+            return
         task = self.job.task
         if task is not None and not task.done() and not self.job.finishing:
             task.cancel()
@@ -199,12 +204,15 @@ class ResponseRun:
     async def deltas(self) -> AsyncIterator[RequestOutput]:
         """The engine's deltas, each recorded for a re-issue; a re-issue's recorded ones first,
         then the engine's continuation after the tokens they hold."""
-        for delta in self.replay:
+        replay, self.replay = self.replay, []
+        for delta in replay:
             yield delta
-        if self.replay and self.replay[-1].finished:
+        if self.cancel_after_replay:
+            raise asyncio.CancelledError  # ends as a cancel does, now that its events match the log's
+        if replay and replay[-1].finished:
             return
         prepared = self.prepared
-        emitted = [t for d in self.replay for t in d.outputs[0].token_ids]
+        emitted = [t for d in replay for t in d.outputs[0].token_ids]
         stream = self.transport.state.generate(
             prepared.prompt_ids,
             prepared.params,

@@ -126,6 +126,8 @@ class ResponsesHttp:
             return
         run = ResponseRun(_LogOnly(self.state, {}), job, prepared, adoption)
         job.task = asyncio.current_task()
+        if cast("MirroredLogs", self.state.logs).take_cancel(adoption.response_id):
+            run.cancel()  # after its replay: a client cancelled it while its replica was dead
         await run.run()
 
     async def retrieve(self, request: Request) -> Response:

@@ -121,6 +121,7 @@ def test_two_replicas_over_one_shared_log(tiny_chat_model: Path) -> None:
         try:
             await _re_issue(engines)
             await _cancel_elsewhere(engines)
+            await _cancel_while_orphaned(engines)
             await _log_restarts(engines)
             await _log_down(engines[0])
         finally:
@@ -187,6 +188,23 @@ async def _cancel_elsewhere(engines: list) -> None:
     assert cancelled["status"] == "cancelled" and cancelled["usage"]["output_tokens"] < 40
     assert (await a.get(f"/v1/responses/{rid}")).json()["status"] == "cancelled"
     assert (await b.get("/v1/responses/resp_unknown")).status_code == 404
+    await a.aclose()
+    await b.aclose()
+
+
+async def _cancel_while_orphaned(engines: list) -> None:
+    """A cancel sent while the response's replica is dead reaches its re-issue, after the replay."""
+    board = LogBoard(BOUNDS, owner_timeout_s=0.3)
+    a, a_logs = _replica(SlowEngine(engines[0], 0.03), board, "A")
+    b, _ = _replica(SlowEngine(engines[1], 0.03), board, "B")
+    rid = (await a.post("/v1/responses", json={**BODY, "background": True})).json()["id"]
+    await until(lambda: len(board.entries.get(rid).events) >= 6, "a few of A's tokens in the shared log")
+    a_logs._task.cancel()
+    cancelled = (await b.post(f"/v1/responses/{rid}/cancel")).json()
+    assert cancelled["status"] == "cancelled" and cancelled["usage"]["output_tokens"] < 40
+    events = await _events(b, rid, -1)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "cancelled"
     await a.aclose()
     await b.aclose()
 
