@@ -59,8 +59,12 @@ class EngineActor:
 
         unnice_worker()
         path, model_config = read_model(config.model)
-        tokenizer = load_tokenizer(path, model_config)
-        eos = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
+        # The tokenizer only where the config names no EOS (it would name the same ones): this
+        # process never needs it otherwise, and it holds ~37 MB (its workers build theirs for
+        # grammars, on first use).
+        eos = model_config.eos_token_ids
+        if not eos and (tokenizer := load_tokenizer(path, model_config)) is not None:
+            eos = tokenizer.eos_token_ids
         max_len = max_model_len(model_config, config.max_model_len)
         executor = LocalExecutor if config.executor_kind == "local" else RayExecutor
         self.executor: WorkerExecutor = executor(config, num_kv_blocks(config, model_config, max_len), eos)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -101,7 +101,7 @@ class StepMasks:
 class GrammarMatchers:
     def __init__(
         self,
-        tokenizer: Tokenizer | None,
+        tokenizer: Tokenizer | Callable[[], Tokenizer | None] | None,
         eos_token_ids: tuple[int, ...],
         overlap: bool = True,
         mask_timeout_s: float | None = None,
@@ -138,9 +138,11 @@ class GrammarMatchers:
         see a grammar."""
         from llguidance import LLTokenizer
 
-        if self._tokenizer is None:
+        # A loader where the tokenizer is built on first use too (LoadedModel.tokenizer).
+        tokenizer = self._tokenizer() if callable(self._tokenizer) else self._tokenizer
+        if tokenizer is None:
             raise GrammarError("structured outputs need the model's tokenizer, and this model has none")
-        backend = self._tokenizer.backend
+        backend = tokenizer.backend
         return LLTokenizer(backend.to_str(), n_vocab=backend.get_vocab_size(), eos_token=list(self._eos))
 
     def start(self, queries: Sequence[GrammarQuery]) -> StepMasks | GrammarMasks:

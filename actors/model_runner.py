@@ -8,6 +8,7 @@ samples_ahead (async scheduling's own samples) and kv_tensors (the pool's tensor
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,7 +52,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         is_driver: bool = True,
         proposer: Proposer | None = None,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | Callable[[], Tokenizer | None] | None = None,  # or its loader (built on first use)
         graphs: GraphSettings | None = None,
         link: StageLink | None = None,
         samples_ahead: bool = False,

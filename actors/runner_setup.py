@@ -51,6 +51,6 @@ def build_runner(
     eager = config.enforce_eager or cfg.sliding_window is not None or cfg.attn_softcap is not None
     graphs = graph_settings(eager, device, single_stage, ops.backend(device), config.max_num_seqs, loaded.max_model_len)
     return ModelRunner(
-        model, num_blocks, config.block_size, eos, is_driver, proposer, loaded.tokenizer, graphs, link,
+        model, num_blocks, config.block_size, eos, is_driver, proposer, lambda: loaded.tokenizer, graphs, link,
         samples_ahead=config.schedules_ahead, grammar_mask_timeout_s=config.grammar_mask_timeout_s,
     )  # fmt: skip
