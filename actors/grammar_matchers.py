@@ -101,12 +101,12 @@ class StepMasks:
 class GrammarMatchers:
     def __init__(
         self,
-        tokenizer: Tokenizer | Callable[[], Tokenizer | None] | None,
+        load_tokenizer: Callable[[], Tokenizer | None],
         eos_token_ids: tuple[int, ...],
         overlap: bool = True,
         mask_timeout_s: float | None = None,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._load_tokenizer = load_tokenizer  # called on the first grammar (LoadedModel.tokenizer)
         self._eos = eos_token_ids
         self.mask_timeout_s = mask_timeout_s  # None: the join waits as long as the masks take
         self._tracked: dict[str, _Tracked] = {}
@@ -138,8 +138,7 @@ class GrammarMatchers:
         see a grammar."""
         from llguidance import LLTokenizer
 
-        # A loader where the tokenizer is built on first use too (LoadedModel.tokenizer).
-        tokenizer = self._tokenizer() if callable(self._tokenizer) else self._tokenizer
+        tokenizer = self._load_tokenizer()
         if tokenizer is None:
             raise GrammarError("structured outputs need the model's tokenizer, and this model has none")
         backend = tokenizer.backend

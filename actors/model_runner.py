@@ -52,7 +52,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         is_driver: bool = True,
         proposer: Proposer | None = None,
-        tokenizer: Tokenizer | Callable[[], Tokenizer | None] | None = None,  # or its loader (built on first use)
+        load_tokenizer: Callable[[], Tokenizer | None] = lambda: None,  # for grammars, called on the first
         graphs: GraphSettings | None = None,
         link: StageLink | None = None,
         samples_ahead: bool = False,
@@ -76,7 +76,7 @@ class ModelRunner:
         self.proposer = proposer  # speculative decoding, on the driver only
         # Structured outputs: the driver samples, so it alone follows the grammars.
         self.grammar = (
-            GrammarMatchers(tokenizer, eos_token_ids, mask_timeout_s=grammar_mask_timeout_s) if is_driver else None
+            GrammarMatchers(load_tokenizer, eos_token_ids, mask_timeout_s=grammar_mask_timeout_s) if is_driver else None
         )
         self.step_grammar = StepGrammar(self.grammar)
         self._forwarded = 0.0  # the step's forward / sample boundary, for its timing

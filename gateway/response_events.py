@@ -103,13 +103,13 @@ class ResponseEvents:
         self.count += 1
         if response is not None:
             self.add_response(response)
-        if not self.overflowed and data is not None:
+        if data is None:
+            self.overflowed = True
+        elif not self.overflowed:
             if len(self.events) < self.logs.max_events and self.logs.reserve(self, len(data) + EVENT_OVERHEAD_BYTES):
                 self.events.append((kind, data))
             else:  # never kept again: a replay must not skip what was dropped
                 self.overflowed = True
-        elif data is None:
-            self.overflowed = True
         self._wake()
 
     def add_response(self, response: bytes) -> None:

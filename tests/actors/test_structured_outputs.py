@@ -180,7 +180,7 @@ def test_a_repeated_grammar_is_compiled_once_whatever_asked_for_it(monkeypatch) 
 @pytest.fixture(scope="module")
 def matchers() -> GrammarMatchers:
     tokenizer = load_tokenizer(*read_model(DEFAULT_MODEL))
-    return GrammarMatchers(tokenizer, tokenizer.eos_token_ids, overlap=False)
+    return GrammarMatchers(lambda: tokenizer, tokenizer.eos_token_ids, overlap=False)
 
 
 def _choice_params() -> SamplingParams:
@@ -290,7 +290,7 @@ def test_n_children_share_one_compile(matchers: GrammarMatchers, monkeypatch) ->
 def test_a_slow_mask_fails_its_own_request_and_the_step_goes_on(matchers: GrammarMatchers, monkeypatch) -> None:
     slow, gate = f"slow-{uuid.uuid4().hex[:8]}", _Gate()
     _count_engine_compiles(monkeypatch, slow, gate)
-    timed = GrammarMatchers(matchers._tokenizer, matchers._eos, overlap=True, mask_timeout_s=0.05)
+    timed = GrammarMatchers(matchers._load_tokenizer, matchers._eos, overlap=True, mask_timeout_s=0.05)
     timed.lltokenizer = matchers.lltokenizer  # built once per test module
     params = {
         name: SamplingParams(structured_outputs=StructuredOutputs(regex=r))
