@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cadenza_testkit.hf_oracle import hf_logprobs, our_prompt_logprobs, worst_full_distribution_diff
+from cadenza_testkit.hf_oracle import hf_greedy_choices, hf_logprobs, our_prompt_logprobs, worst_full_distribution_diff
 from cadenza_testkit.tiny_models import POOL_MODEL, TINY
 
 from cadenza import LLM, SamplingParams
@@ -30,12 +30,6 @@ def _worst_prompt_logprob_diff(llm: LLM, hf: torch.nn.Module, ids: list[int]) ->
     return worst_full_distribution_diff(our_prompt_logprobs(llm, ids, k=vocab), hf_logprobs(hf, ids), vocab)
 
 
-def _hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("kind", ["llama_gqa_tied", "qwen2_gqa_bias"])
 def test_fp16_kv_tracks_transformers(tiny_model, monkeypatch: pytest.MonkeyPatch, kind: str, backend: str) -> None:
@@ -48,7 +42,7 @@ def test_fp16_kv_tracks_transformers(tiny_model, monkeypatch: pytest.MonkeyPatch
     assert _cache_dtypes(llm) == {torch.float16}
     assert _worst_prompt_logprob_diff(llm, hf, ids) <= 3e-2
     got = llm.generate({"prompt_token_ids": ids[:20]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert list(got) == _hf_greedy(hf, ids[:20], 40)
+    assert len(got) == 40 and list(got) == hf_greedy_choices(hf, ids[:20], list(got))
 
 
 def test_fp16_kv_on_smollm(smollm_path, hf_smollm) -> None:
@@ -63,7 +57,7 @@ def test_fp16_kv_on_smollm(smollm_path, hf_smollm) -> None:
     assert worst <= 2e-2, f"max |logprob diff| {worst}"
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     got = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
-    assert list(got) == _hf_greedy(hf_smollm, ids, 48)
+    assert len(got) == 48 and list(got) == hf_greedy_choices(hf_smollm, ids, list(got))
 
 
 def test_an_fp16_pool_holds_twice_the_blocks_in_the_same_memory() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
-import torch
+from cadenza_testkit.hf_oracle import hf_greedy_choices
 
 from cadenza import LLM, SamplingParams
 from cadenza.models.loader import DEFAULT_MODEL
@@ -31,35 +33,40 @@ def chat_prompts(smollm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_smollm, chat_prompts) -> list[list[int]]:
-    outs = []
-    for ids in chat_prompts:
-        with torch.no_grad():
-            gen = hf_smollm.generate(
-                torch.tensor([ids]),
-                do_sample=False,
-                max_new_tokens=STEPS,
-                min_new_tokens=STEPS,
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            )
-        outs.append(gen[0, len(ids) :].tolist())
-    return outs
+def hf_greedy(hf_smollm) -> Callable[[list[int], list[int]], list[int]]:
+    """HF's greedy pick at each position of a continuation (teacher-forced, one forward per
+    distinct sequence), EOS banned as min_new_tokens bans it."""
+    eos = hf_smollm.generation_config.eos_token_id
+    banned = tuple(eos) if isinstance(eos, list) else (eos,)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def picks(prompt: list[int], tokens: list[int]) -> list[int]:
+        key = (*prompt, -1, *tokens)
+        if key not in cache:
+            cache[key] = hf_greedy_choices(hf_smollm, prompt, tokens, banned)
+        return cache[key]
+
+    return picks
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, min_tokens=STEPS)
 
 
 def test_greedy_one_at_a_time_matches_hf(smollm, chat_prompts, hf_greedy) -> None:
-    for ids, expected in zip(chat_prompts, hf_greedy, strict=True):
+    for ids in chat_prompts:
         out = smollm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0]
-        assert out.token_ids == expected
+        assert len(out.token_ids) == STEPS
+        assert list(out.token_ids) == hf_greedy(ids, list(out.token_ids))
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_greedy_continuous_batch_matches_hf(chat_prompts, hf_greedy, block_size: int) -> None:
     llm = LLM(DEFAULT_MODEL, block_size=block_size, max_num_batched_tokens=48, num_blocks=512)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in chat_prompts], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy
+    for ids, out in zip(chat_prompts, outs, strict=True):
+        tokens = list(out.outputs[0].token_ids)
+        assert len(tokens) == STEPS
+        assert tokens == hf_greedy(ids, tokens)
 
 
 def test_prefix_cache_512_token_prefix(smollm) -> None:
