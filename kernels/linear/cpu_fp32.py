@@ -9,8 +9,10 @@ embedding's lookups, so fp32 holds one copy of each weight.
 
 A oneDNN-packed second copy used to serve 9-64 rows (at 32 rows the LM head took 18.5 ms
 against 41 through MKL, a 3072 x 576 projection 0.86 against 1.42 ms); it doubled the
-weights' memory, and a format's resident bytes are now held to its size, so it is gone:
-batch decode in fp32 pays that difference (docs/formats.md).
+weights' memory, and a format's resident bytes are now held to its size, so it is gone. Most
+of that difference was MKL's kernel for x @ W_t below 64 rows: (W @ x.T).T, on the rows this
+method holds anyway, ran 2-3x faster on an Ice Lake Xeon, and is taken where a race at first
+use says it wins (kernels/linear/orientation.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cadenza.kernels.cpu.gemv import linear_few_rows
 from cadenza.kernels.cpu.packed import BoundWeight
 from cadenza.kernels.linear.base import LinearMethod
 from cadenza.kernels.linear.dense import dense_linear
+from cadenza.kernels.linear.orientation import transposed_wins
 from cadenza.kernels.quant.weight import PackedWeight
 
 # Rows up to which the C GEMV runs, which reads W once for all rows: single-stream decode,
@@ -59,6 +62,9 @@ class CpuFp32Linear(LinearMethod):
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.few_rows_kernel and x.shape[0] <= FEW_ROWS:
             return linear_few_rows(x, self.rows, bias)
+        if transposed_wins(x.shape[0], torch.float32):  # this BLAS's faster form at these rows
+            y = (self.rows @ x.T).T.contiguous()
+            return y if bias is None else y.add_(bias)
         return dense_linear(x, self.weight_t, bias)
 
     def weight_bytes(self) -> int:

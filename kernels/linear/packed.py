@@ -5,7 +5,9 @@
 - more rows (larger batches, prefill): tiles of W decoded to fp32 by the C kernel, each
   multiplied by the BLAS at its rate (at 32 rows, decoding a tile then MKL beat the C
   kernel's row loop by ~1.3x on a 3072 x 576 projection); a tile is at most TILE_ELEMENTS
-  weights, so the fp32 copy is a bounded scratch, never the whole matrix.
+  weights, so the fp32 copy is a bounded scratch, never the whole matrix. Below 64 rows the
+  BLAS may run W @ x.T far faster than x @ W.T: the form is raced once per row bucket
+  (kernels/linear/orientation.py).
 Without the C build (or under CADENZA_KERNELS=torch) the torch reference decodes the tiles.
 gemm_dtype bf16 (WeightFormat.gemm_dtype: where the CPU multiplies bf16 natively) runs those
 many-row GEMMs on x and the tiles rounded to bf16, fp32 back: oneDNN's bf16 GEMM ran at
@@ -31,6 +33,7 @@ from cadenza.kernels.cpu.packed import (
     round_activations,
 )
 from cadenza.kernels.linear.base import LinearMethod
+from cadenza.kernels.linear.orientation import transposed_wins
 from cadenza.kernels.quant.dequantize import dequantize, round_activations_ref
 from cadenza.kernels.quant.weight import DENSE_KINDS, PackedWeight
 
@@ -65,8 +68,12 @@ class PackedLinear(LinearMethod):
         dtype = self._gemm_dtype(x)
         xg = x.to(dtype)
         step = max(TILE_ELEMENTS // w.cols, 1)
-        outs = [xg @ self._tile(bound, start, min(start + step, w.rows), dtype).T for start in range(0, w.rows, step)]
-        y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
+        tiles = (self._tile(bound, start, min(start + step, w.rows), dtype) for start in range(0, w.rows, step))
+        if not x.is_cuda and transposed_wins(x.shape[0], dtype):  # the BLAS's faster form here
+            y = torch.cat([tile @ xg.T for tile in tiles]).T.contiguous()
+        else:
+            y = torch.cat([xg @ tile.T for tile in tiles], dim=1)
+        y = y.to(x.dtype)
         return y if bias is None else y.add_(bias)
 
     def _gemm_dtype(self, x: torch.Tensor) -> torch.dtype:

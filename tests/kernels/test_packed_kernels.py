@@ -18,6 +18,7 @@ from cadenza.kernels.cpu.packed import (
     round_activations,
 )
 from cadenza.kernels.linear import packed as packed_linear_module
+from cadenza.kernels.linear.orientation import MAX_CALIBRATED_ROWS, transposed_wins
 from cadenza.kernels.linear.packed import PACKED_FEW_ROWS, PackedLinear
 from cadenza.kernels.quant.dequantize import dequantize, round_activations_ref
 from cadenza.kernels.quant.gguf_blocks import packed_from_gguf
@@ -145,6 +146,26 @@ def test_bf16_gemms_round_x_and_the_tiles_to_bf16(monkeypatch: pytest.MonkeyPatc
     assert (got - (x @ dense.T + bias)).abs().max() > 0  # bf16, not the fp32 path
     few = x[:PACKED_FEW_ROWS]
     torch.testing.assert_close(method.apply(few, None), few @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["x@W.T", "(W@x.T).T"])
+def test_both_gemm_forms_give_the_tiled_product(monkeypatch: pytest.MonkeyPatch, transposed: bool) -> None:
+    """Past the few-row kernel the tiles go through the BLAS in whichever form the race picked
+    (kernels/linear/orientation.py): both are x @ W.T, over several tiles."""
+    monkeypatch.setattr(packed_linear_module, "TILE_ELEMENTS", 16 * 576)  # 40 rows: three tiles
+    monkeypatch.setattr(packed_linear_module, "transposed_wins", lambda rows, dtype: transposed)
+    w = _formats(40, 576)["Q4_1"]
+    method, dense, bias = PackedLinear(w), dequantize(w), torch.randn(w.rows)
+    x = torch.randn(PACKED_FEW_ROWS + 9, w.cols, generator=torch.Generator().manual_seed(3))
+    got = method.apply(x, bias)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gemm_form_race_answers_per_bucket() -> None:
+    assert isinstance(transposed_wins(32, torch.float32), bool)
+    assert transposed_wins(32, torch.float32) == transposed_wins(17, torch.float32)  # one bucket, one race
+    assert transposed_wins(MAX_CALIBRATED_ROWS + 1, torch.float32) is False  # prefill: the plain form
 
 
 def test_quantizers_round_trip_within_half_a_step() -> None:
