@@ -129,6 +129,7 @@ PACKED_LINEAR = CFunction(
     ),
     None,
 )  # fmt: skip
+PACKED_FUSED_ROWS = CFunction("packed_linear", "packed_fused_rows", (("w", POINTER),), ctypes.c_int64)
 ROUND_ACTIVATIONS = CFunction(
     "packed_linear",
     "round_activations",
@@ -167,8 +168,8 @@ DECODE_LAYERS = CFunction(
 )  # fmt: skip
 FUNCTIONS = (
     PAGED_DECODE_ATTENTION, PAGED_PREFILL_ATTENTION, ADD_RMS_NORM, ROTARY, SILU_AND_MUL, GEMV_ROWS, PACKED_LINEAR,
-    ROUND_ACTIVATIONS, PACKED_DEQUANTIZE, PACKED_DEQUANTIZE_BF16, PACKED_GATHER_ROWS, DECODE_LAYER_SCRATCH,
-    DECODE_LAYERS,
+    PACKED_FUSED_ROWS, ROUND_ACTIVATIONS, PACKED_DEQUANTIZE, PACKED_DEQUANTIZE_BF16, PACKED_GATHER_ROWS,
+    DECODE_LAYER_SCRATCH, DECODE_LAYERS,
 )  # fmt: skip
 # The KV cache dtypes the C kernels read and write (kv_t in the header), with the suffix of
 # the libraries built for each (build.VARIANTS).

@@ -10,6 +10,7 @@ import torch
 from cadenza.kernels.cpu.bindings import (
     PACKED_DEQUANTIZE,
     PACKED_DEQUANTIZE_BF16,
+    PACKED_FUSED_ROWS,
     PACKED_GATHER_ROWS,
     PACKED_LINEAR,
     ROUND_ACTIVATIONS,
@@ -49,6 +50,8 @@ class BoundWeight:
             address(weight.data), address(weight.scales), address(weight.mins),
         )  # fmt: skip
         self.address = ctypes.addressof(self.c)
+        # How many rows of x the C kernel's fused paths take in one pass, asked once (at load).
+        self.fused_rows = int(PACKED_FUSED_ROWS(w=self.address)) if PACKED_FUSED_ROWS.available() else 0
 
 
 def packed_available() -> bool:

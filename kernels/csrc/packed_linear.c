@@ -213,6 +213,30 @@ void round_activations(const float *x, int64_t rows, int64_t cols, float *out) {
     }
 }
 
+/* Any format, any rows: each row of W decoded to fp32 once (L1-resident), then dotted with every
+ * row of x (with int8_activations, x rounded first, as the fused paths read it). */
+static void decoded_rows_linear(const struct packed_weight *w, const float *x, const float *bias, float *y,
+                                int64_t m_dim, int num_threads) {
+    const int64_t k_dim = w->cols, n_dim = w->rows;
+    float *rounded = 0;
+    if (rounds_activations(w)) { /* as the fused path reads x (see rounds_activations) */
+        rounded = malloc(sizeof(float) * m_dim * k_dim);
+        if (rounded) { /* out of memory: x unrounded, a rounding's difference from the rest */
+            round_activations(x, m_dim, k_dim, rounded);
+            x = rounded;
+        }
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        float buf[k_dim]; /* the decoded row: L1-resident, one per thread */
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < n_dim; ++n) {
+            row_against_rows(decode_row(w, n, buf), x, m_dim, k_dim, bias ? bias[n] : 0.0f, y + n, n_dim);
+        }
+    }
+    free(rounded);
+}
+
 /* The fused paths of the two common formats (q4: on-load int4, GGUF Q4_0 / Q4_1; q8:
  * on-load int8, GGUF Q8_0) for up to FUSED_ROWS rows of x, with AVX2. The exact one is
  * widened_linear below. The integer one (int8_activations): as llama.cpp does,
@@ -225,6 +249,11 @@ void round_activations(const float *x, int64_t rows, int64_t cols, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FUSED_ROWS 8
+/* With int8_activations, q4 on AVX-512 (VNNI or BW) takes batches in its integer path too
+ * (integer_batch512: codes widened once per weight row for every row of x). Measured on a
+ * 2-core Ice Lake Xeon, a 3072 x 576 q4 projection at 32 rows: 1.1 ms against 1.9 for the
+ * int8-rounded x through the BLAS's fp32 tiles. packed_fused_rows tells kernels/linear/packed.py. */
+#define INTEGER_ROWS 64
 
 /* x [m, cols] -> int8 codes, a scale and the rounded values' sum per block of 32 (q4's min
  * term: the sum of what the other paths multiply). */
@@ -349,31 +378,58 @@ static inline __attribute__((always_inline)) void integer_rows(const struct pack
 
 #include "packed_row512.c"
 
+/* A q4 batch through integer_batch512; 0 (nothing done) when its buffers cannot be had. */
+static int integer_batch(const struct packed_weight *w, const int8_t *xq, const float *dx, const float *xsum,
+                         const float *bias, float *y, int64_t m_dim, int num_threads) {
+#if ROW512
+    const int64_t n_dim = w->rows, blocks = w->cols / 32, pairs = blocks / 2;
+    __m512 *spread = spread_batch(dx, xsum, m_dim, blocks, pairs);
+    if (!spread) return 0;
+    const struct int8_batch x = {xq, spread, spread + m_dim * pairs, pairs};
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < n_dim; ++n) integer_batch512(w, n, &x, m_dim, bias ? bias[n] : 0.0f, y + n, n_dim);
+    free(spread);
+    return 1;
+#else
+    (void)w, (void)xq, (void)dx, (void)xsum, (void)bias, (void)y, (void)m_dim, (void)num_threads;
+    return 0;
+#endif
+}
+
 static void integer_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                            int num_threads) {
     const int64_t cols = w->cols, n_dim = w->rows, blocks = cols / 32;
     const int q4 = w->kind == WK_Q4;
-    int8_t xq[m_dim * cols];
-    float dx[m_dim * blocks], xsum[m_dim * blocks];
+    /* x's codes, scales and block sums: on the heap, as a batch's can outgrow a thread's stack */
+    int8_t *xq = malloc((size_t)(m_dim * cols));
+    float *dx = malloc(sizeof(float) * (size_t)(m_dim * blocks)), *xsum = malloc(sizeof(float) * (size_t)(m_dim * blocks));
+    if (!xq || !dx || !xsum) { /* out of memory: the decode-row path reads the same rounded x */
+        free(xq), free(dx), free(xsum);
+        decoded_rows_linear(w, x, bias, y, m_dim, num_threads);
+        return;
+    }
     quantize_rows(x, m_dim, cols, xq, dx, xsum);
     if (ROW512 && q4 && m_dim == 1) { /* single-stream q4 decode: the AVX-512 form */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t n = 0; n < n_dim; ++n) y[n] = integer_row512(w, n, xq, dx, xsum) + (bias ? bias[n] : 0.0f);
-        return;
-    }
+    } else if (m_dim > FUSED_ROWS && integer_batch(w, xq, dx, xsum, bias, y, m_dim, num_threads)) {
+        /* a q4 batch on AVX-512 (packed_fused_rows): done */
+    } else {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < n_dim; ++n) {
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < m_dim; m += 4) {
-            const int rows = m_dim - m < 4 ? (int)(m_dim - m) : 4;
-            const int8_t *xm = xq + m * cols;
-            const float *dm = dx + m * blocks, *sm = xsum + m * blocks;
-            if (q4)
-                integer_rows(w, n, xm, dm, sm, rows, 1, b, y + m * n_dim + n, n_dim);
-            else
-                integer_rows(w, n, xm, dm, sm, rows, 0, b, y + m * n_dim + n, n_dim);
+        for (int64_t n = 0; n < n_dim; ++n) {
+            const float b = bias ? bias[n] : 0.0f;
+            for (int64_t m = 0; m < m_dim; m += 4) {
+                const int rows = m_dim - m < 4 ? (int)(m_dim - m) : 4;
+                const int8_t *xm = xq + m * cols;
+                const float *dm = dx + m * blocks, *sm = xsum + m * blocks;
+                if (q4)
+                    integer_rows(w, n, xm, dm, sm, rows, 1, b, y + m * n_dim + n, n_dim);
+                else
+                    integer_rows(w, n, xm, dm, sm, rows, 0, b, y + m * n_dim + n, n_dim);
+            }
         }
     }
+    free(xq), free(dx), free(xsum);
 }
 
 /* The exact fused path (the default): a block's 32 codes widened to floats in registers and
@@ -507,6 +563,8 @@ static void bf16_linear(const struct packed_weight *w, const float *x, const flo
 }
 #else
 #define FUSED_ROWS 0 /* no AVX2: every format decodes its rows first */
+#define INTEGER_ROWS 0
+#define ROW512 0
 static void fused_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                          int num_threads) {
     (void)w, (void)x, (void)bias, (void)y, (void)m_dim, (void)num_threads;
@@ -517,10 +575,14 @@ static void bf16_linear(const struct packed_weight *w, const float *x, const flo
 }
 #endif
 
+int64_t packed_fused_rows(const struct packed_weight *w) {
+    if (ROW512 && rounds_activations(w) && w->kind == WK_Q4 && w->cols % 64 == 0) return INTEGER_ROWS;
+    return fuses(w) || w->kind == WK_BF16 ? FUSED_ROWS : 0;
+}
+
 void packed_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                    int num_threads) {
-    const int64_t k_dim = w->cols, n_dim = w->rows;
-    if (fuses(w) && m_dim <= FUSED_ROWS) {
+    if (fuses(w) && m_dim <= packed_fused_rows(w)) {
         fused_linear(w, x, bias, y, m_dim, num_threads);
         return;
     }
@@ -528,23 +590,7 @@ void packed_linear(const struct packed_weight *w, const float *x, const float *b
         bf16_linear(w, x, bias, y, m_dim, num_threads);
         return;
     }
-    float *rounded = 0;
-    if (rounds_activations(w)) { /* as the fused path reads x (see rounds_activations) */
-        rounded = malloc(sizeof(float) * m_dim * k_dim);
-        if (rounded) { /* out of memory: x unrounded, a rounding's difference from the rest */
-            round_activations(x, m_dim, k_dim, rounded);
-            x = rounded;
-        }
-    }
-#pragma omp parallel num_threads(num_threads)
-    {
-        float buf[k_dim]; /* the decoded row: L1-resident, one per thread */
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < n_dim; ++n) {
-            row_against_rows(decode_row(w, n, buf), x, m_dim, k_dim, bias ? bias[n] : 0.0f, y + n, n_dim);
-        }
-    }
-    free(rounded);
+    decoded_rows_linear(w, x, bias, y, m_dim, num_threads);
 }
 
 void packed_dequantize(const struct packed_weight *w, int64_t start, int64_t end, float *out, int num_threads) {

@@ -86,6 +86,82 @@ static float integer_row512(const struct packed_weight *w, int64_t n, const int8
     }
     return sum + dot_floats(minimum, xsum, blocks);
 }
+/* Per-block values spread over pairs of blocks, as the pair loops below read them: vector p's
+ * lanes 0-7 hold v[2p] * k, lanes 8-15 v[2p + 1] * k (an odd last block pairs with 0). */
+static void pair_spread(const float *v, int64_t blocks, float k, __m512 *out) {
+    for (int64_t p = 0; p < (blocks + 1) / 2; ++p) {
+        const float hi = 2 * p + 1 < blocks ? v[2 * p + 1] : 0.0f;
+        out[p] = _mm512_set_ps(hi, hi, hi, hi, hi, hi, hi, hi, v[2 * p], v[2 * p], v[2 * p], v[2 * p], v[2 * p],
+                               v[2 * p], v[2 * p], v[2 * p]);
+        out[p] = _mm512_mul_ps(out[p], _mm512_set1_ps(k));
+    }
+}
+
+/* A batch's x for integer_batch512: codes (xq), and per row and pair of blocks the spread
+ * scales (dxv) and block sums / 8 (xsv: 8 lanes per block sum back to the block's sum). */
+struct int8_batch {
+    const int8_t *xq;
+    const __m512 *dxv, *xsv;
+    int64_t pairs;
+};
+
+/* Rows m .. m + rows - 1 (rows 1-4, a constant once inlined) of the batch against weight row
+ * n's widened codes and spread scales: one accumulator chain per row, so 4 rows keep 4 FMA
+ * chains in flight (one row alone is bound by the FMA's latency). */
+static inline __attribute__((always_inline)) void integer_rows_batch512(const __m512i *codes, const __m512 *sv,
+                                                                      const __m512 *mv,
+                                                                      const struct int8_batch *x, int64_t cols,
+                                                                      int64_t m, const int rows, float bias,
+                                                                      float *y, int64_t y_stride) {
+    const int64_t pairs = x->pairs;
+    __m512 acc[4];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        for (int r = 0; r < rows; ++r) {
+            const int64_t row = m + r;
+            const __m512i xv = _mm512_loadu_si512((const void *)(x->xq + row * cols + p * 64));
+            const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(dot_pair512(codes[p], xv)), x->dxv[row * pairs + p]);
+            acc[r] = _mm512_fmadd_ps(dot, sv[p], acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv[p], x->xsv[row * pairs + p], acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) y[(m + r) * y_stride] = _mm512_reduce_add_ps(acc[r]) + bias;
+}
+
+/* The integer path's row n against every row of a batch (q4, blocks in pairs: cols % 64 == 0).
+ * Per weight row the codes are widened and the scales spread once; then per row of x and pair
+ * of blocks one VNNI dot, a conversion and a multiply by x's scales, and two FMAs (the weight's
+ * scales, q4's min term): no per-row scalar work but the final sum. */
+static void integer_batch512(const struct packed_weight *w, int64_t n, const struct int8_batch *x, int64_t m_dim,
+                             float bias, float *y, int64_t y_stride) {
+    const int64_t cols = w->cols, blocks = cols / 32, pairs = x->pairs;
+    float scale[blocks + 8], minimum[blocks + 8];
+    block_scales(w, n, 1, scale, minimum);
+    __m512i codes[pairs];
+    __m512 sv[pairs], mv[pairs];
+    pair_spread(scale, blocks, 1.0f, sv);
+    pair_spread(minimum, blocks, 1.0f, mv);
+    for (int64_t p = 0; p < pairs; ++p) codes[p] = q4_pair512((const uint8_t *)w->data + n * (cols / 2) + p * 32);
+    int64_t m = 0;
+    for (; m + 4 <= m_dim; m += 4) integer_rows_batch512(codes, sv, mv, x, cols, m, 4, bias, y, y_stride);
+    switch (m_dim - m) {
+    case 3: integer_rows_batch512(codes, sv, mv, x, cols, m, 3, bias, y, y_stride); break;
+    case 2: integer_rows_batch512(codes, sv, mv, x, cols, m, 2, bias, y, y_stride); break;
+    case 1: integer_rows_batch512(codes, sv, mv, x, cols, m, 1, bias, y, y_stride); break;
+    default: break;
+    }
+}
+
+/* integer_batch512's x: the spread vectors of quantize_rows' scales and block sums. */
+static __m512 *spread_batch(const float *dx, const float *xsum, int64_t m_dim, int64_t blocks, int64_t pairs) {
+    __m512 *v = aligned_alloc(64, sizeof(__m512) * (size_t)(2 * m_dim * pairs));
+    if (!v) return 0;
+    for (int64_t m = 0; m < m_dim; ++m) {
+        pair_spread(dx + m * blocks, blocks, 1.0f, v + m * pairs);
+        pair_spread(xsum + m * blocks, blocks, 0.125f, v + (m_dim + m) * pairs);
+    }
+    return v;
+}
 #else
 #define ROW512 0
 static float widened_row512(const struct packed_weight *w, int64_t n, const float *x, const float *xsum) {

@@ -1,7 +1,9 @@
 """The packed method: W kept in its stored format (kernels/quant/weight.py) on the CPU.
 
-- up to PACKED_FEW_ROWS rows (decode, k + 1 verification, small decode batches): the C
-  kernel reads the stored bytes once for all rows (csrc/packed_linear.c);
+- up to PACKED_FEW_ROWS rows (decode, k + 1 verification, small decode batches), or as many
+  as the C kernel's fused path takes (BoundWeight.fused_rows: q4 batches up to 64 rows with
+  int8_activations on AVX-512): the C kernel reads the stored bytes once for all rows
+  (csrc/packed_linear.c);
 - more rows (larger batches, prefill): tiles of W decoded to fp32 by the C kernel, each
   multiplied by the BLAS at its rate (at 32 rows, decoding a tile then MKL beat the C
   kernel's row loop by ~1.3x on a 3072 x 576 projection); a tile is at most TILE_ELEMENTS
@@ -54,10 +56,13 @@ class PackedLinear(LinearMethod):
         # the C build, nothing is bound and every call runs the torch reference.
         native = weight.device.type == "cpu" and backend(weight.device) == "cpu"
         self.bound = BoundWeight(weight, self.round_x) if native and packed_available() else None
+        # Rows that go to the C kernel: the few-row bound, or more where its fused path takes a
+        # whole batch (q4 with int8_activations on AVX-512: csrc/packed_linear.c's INTEGER_ROWS).
+        self.c_rows = max(PACKED_FEW_ROWS, self.bound.fused_rows) if self.bound is not None else 0
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         bound = self.bound
-        if bound is not None and x.shape[0] <= PACKED_FEW_ROWS:
+        if bound is not None and x.shape[0] <= self.c_rows:
             return packed_linear(bound, x.float(), bias)
         return self._tiled(x if x.is_cuda else x.float(), bias, bound)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from cadenza.format_names import cpu_flags
 from cadenza.kernels.cpu.packed import (
     BoundWeight,
     packed_available,
@@ -30,7 +31,7 @@ needs_c = pytest.mark.skipif(not packed_available(), reason="no C compiler: the 
 # Shape classes: SmolLM2's qkv (in 576) and down (in 1536), a K-quant width (in 512), odd rows.
 # 160 columns: an odd number of 32-blocks (the AVX-512 row kernels take blocks in pairs)
 SHAPES = [(40, 576), (24, 1536), (33, 512), (17, 160)]
-ROWS = [1, 3, 4, 5, 8, 9, 16, 17, 70]
+ROWS = [1, 3, 4, 5, 8, 9, 16, 17, 34, 64, 70]  # 17-64: q4's integer batch path on AVX-512
 
 
 def _gguf_blocks(type_name: str, rows: int, cols: int, seed: int) -> PackedWeight:
@@ -160,6 +161,16 @@ def test_both_gemm_forms_give_the_tiled_product(monkeypatch: pytest.MonkeyPatch,
     got = method.apply(x, bias)
     assert got.is_contiguous()
     torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5, atol=1e-5)
+
+
+@needs_c
+def test_q4_with_int8_activations_takes_whole_batches_on_avx512() -> None:
+    """The C kernel says how many rows its fused path takes (asked once, at bind time)."""
+    q4, q8 = _formats(40, 576)["Q4_1"], _formats(40, 576)["Q8_0"]
+    avx512 = {"avx512f", "avx512bw"} <= cpu_flags()
+    assert BoundWeight(q4, True).fused_rows == (64 if avx512 else 8)
+    assert BoundWeight(q4, False).fused_rows == BoundWeight(q8, True).fused_rows == 8
+    assert PackedLinear(q4, int8_activations=True).c_rows == (64 if avx512 else PACKED_FEW_ROWS)
 
 
 def test_the_gemm_form_race_answers_per_bucket() -> None:
