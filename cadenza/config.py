@@ -82,11 +82,14 @@ class EngineConfig:
     quantization_group_size: int = setting(
         DEFAULT_INT4_GROUP_SIZE, "model", "int4's group along the input features", choices=INT4_GROUP_SIZES
     )
-    int8_activations: bool = setting(
-        False,
+    int8_activations: bool | None = setting(
+        None,
         "model",
         "CPU: the q4 / q8 kernels multiply x rounded to int8 per block of 32, as llama.cpp does (faster decode, a "
-        "little perplexity; greedy tokens may vary with batch composition and prefix-cache hits)",
+        "little perplexity; greedy tokens may vary with batch composition and prefix-cache hits). Unset: on where "
+        "the CPU has VNNI (AVX512-VNNI or AVX-VNNI), the weights stay quantized and `dtype` is `auto`; "
+        "$CADENZA_CPU_AUTO_INT8_ACTIVATIONS (0 / 1) pins that choice",
+        default_text="VNNI CPUs",
     )
     cpu_gemm_dtype: str = setting(
         "auto",

@@ -30,6 +30,7 @@ from cadenza.format_names import (  # noqa: F401 - every format user reads these
     cpu_flags,
     resolve_cpu_gemm_dtype,
     resolve_dtype,
+    resolve_int8_activations,
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,7 +63,7 @@ class WeightFormat:
         quantization: str | None,
         group_size: int,
         device: str,
-        int8_activations: bool = False,
+        int8_activations: bool | None = None,
         kv_cache_dtype: str = "auto",
         cpu_gemm_dtype: str = "auto",
     ) -> WeightFormat:
@@ -77,7 +78,8 @@ class WeightFormat:
         if on_cuda and kv != compute:
             raise ValueError(f"on CUDA the KV cache is in the activations' dtype ({compute}), not {kv_cache_dtype}")
         gguf_only = quantization == "gguf"
-        return cls(resolved, on_load, group_size, keep, compute, gguf_only, int8_activations, kv, gemm)
+        int8_x = resolve_int8_activations(int8_activations, dtype, quantization, device)
+        return cls(resolved, on_load, group_size, keep, compute, gguf_only, int8_x, kv, gemm)
 
     def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model whose activations are `activations`."""

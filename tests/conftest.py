@@ -15,6 +15,8 @@ if not torch.cuda.is_available():  # Triton kernels run interpreted here; must p
 # dtype="auto" is bf16 on CPUs with native bf16 dot products: the suite compares fp32 against
 # transformers in fp32 on every machine (its servers and Ray workers inherit this too).
 os.environ.setdefault("CADENZA_CPU_AUTO_DTYPE", "float32")
+# Likewise int8_activations, which an unset setting turns on on VNNI CPUs: exact by default here.
+os.environ.setdefault("CADENZA_CPU_AUTO_INT8_ACTIVATIONS", "0")
 # Ray's worker processes and the servers the tests start import test doubles by name
 # (cadenza_testkit.faulty_engine): they inherit the folder pytest's `pythonpath` names.
 SUPPORT = str(Path(__file__).resolve().parent / "support")

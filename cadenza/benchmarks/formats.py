@@ -36,9 +36,9 @@ FORMATS: dict[str, dict[str, str | bool]] = {
     "fp32": {"dtype": "float32", "quantization": "none"},
     "bf16": {"dtype": "bfloat16", "quantization": "none"},
     "fp16": {"dtype": "float16", "quantization": "none"},
-    "int8": {"quantization": "int8"},
-    "int4": {"quantization": "int4"},
-    "gguf": {"quantization": "gguf"},
+    "int8": {"quantization": "int8", "int8_activations": False},  # exact, whatever the host's default
+    "int4": {"quantization": "int4", "int8_activations": False},
+    "gguf": {"quantization": "gguf", "int8_activations": False},
     "int8-a8": {"quantization": "int8", "int8_activations": True},
     "int4-a8": {"quantization": "int4", "int8_activations": True},
     "gguf-a8": {"quantization": "gguf", "int8_activations": True},

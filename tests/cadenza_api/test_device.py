@@ -12,6 +12,7 @@ import torch
 
 from cadenza.config import EngineConfig
 from cadenza.device import resolve_device, visible_gpus
+from cadenza.format_names import resolve_int8_activations
 from cadenza.kernels import backend as kernels_backend
 from cadenza.weight_format import WeightFormat, resolve_dtype
 
@@ -74,6 +75,31 @@ def test_cpu_auto_dtype_follows_the_cpu_unless_the_environment_says(monkeypatch:
     monkeypatch.setenv("CADENZA_CPU_AUTO_DTYPE", "fp8")
     with pytest.raises(ValueError, match="CADENZA_CPU_AUTO_DTYPE='fp8'"):
         resolve_dtype("auto", "cpu")
+
+
+def test_int8_activations_by_default_only_on_vnni_cpus_with_quantized_weights_and_auto_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset int8_activations: on where the CPU has VNNI, the weights stay quantized and dtype
+    was left "auto"; an explicit value always wins; the environment pins the CPU's answer."""
+    vnni, avx512_vnni, plain = frozenset({"avx2", "avx_vnni"}), frozenset({"avx512_vnni"}), frozenset({"avx2"})
+    assert resolve_int8_activations(None, "auto", None, "cpu", vnni)
+    assert resolve_int8_activations(None, "auto", "gguf", "cpu", avx512_vnni)
+    assert not resolve_int8_activations(None, "auto", None, "cpu", plain)
+    assert not resolve_int8_activations(None, "float32", None, "cpu", vnni)  # exact math asked for
+    assert not resolve_int8_activations(None, "auto", "none", "cpu", vnni)  # dense weights
+    assert not resolve_int8_activations(None, "auto", None, "cuda", vnni)
+    assert resolve_int8_activations(True, "float32", None, "cpu", plain)
+    assert not resolve_int8_activations(False, "auto", None, "cpu", vnni)
+    monkeypatch.setenv("CADENZA_CPU_AUTO_INT8_ACTIVATIONS", "1")
+    assert WeightFormat.resolve("auto", None, 32, "cpu").int8_activations
+    assert not WeightFormat.resolve("auto", None, 32, "cpu", int8_activations=False).int8_activations
+    assert WeightFormat.resolve("auto", None, 32, "cpu").describe().endswith("-a8")
+    monkeypatch.setenv("CADENZA_CPU_AUTO_INT8_ACTIVATIONS", "0")  # the suite's own setting
+    assert not WeightFormat.resolve("auto", None, 32, "cpu").int8_activations
+    monkeypatch.setenv("CADENZA_CPU_AUTO_INT8_ACTIVATIONS", "yes")
+    with pytest.raises(ValueError, match="choose 0 or 1"):
+        WeightFormat.resolve("auto", None, 32, "cpu")
 
 
 def test_cpu_gemms_are_bf16_only_where_auto_means_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
