@@ -72,10 +72,13 @@ def resolve_int8_activations(
     device: str,
     flags: frozenset[str] | None = None,
 ) -> bool:
-    """int8_activations unset: on where the C kernels multiply int8 natively (VNNI), the model's
-    weights stay quantized, and dtype was left "auto" (an explicit dtype asks for exact math).
-    Measured with SmolLM2 Q4_1, single-stream decode: 1.3x on an Ice Lake Xeon (94 against 73
-    tok/s), 1.35x on a Sapphire Rapids one; perplexity +0.3% against fp32, inside Q4_1's bound
+    """int8_activations unset: on where the C kernels multiply int8 natively (VNNI) and the CPU
+    has no native bf16, the model's weights stay quantized, and dtype was left "auto" (an
+    explicit dtype asks for exact math). Measured with SmolLM2 Q4_1: on an Ice Lake Xeon
+    (VNNI, no bf16) single-stream decode 1.3x (94 against 73 tok/s), the 32-stream batch
+    unchanged; on a Zen 4 (VNNI and AVX512-BF16) decode 1.09x but the batch 0.76x, since the
+    rounding displaces nothing there and costs the bf16 GEMMs' path (docs/formats.md), so bf16
+    CPUs keep it off. Perplexity +0.3% against fp32, inside Q4_1's bound
     (tests/models/test_formats_quality.py). $CADENZA_CPU_AUTO_INT8_ACTIVATIONS (0 / 1)
     overrides the detection (the test suite sets 0: its greedy comparisons with transformers
     are exact)."""
@@ -88,7 +91,7 @@ def resolve_int8_activations(
             raise ValueError(f"{CPU_AUTO_INT8_ENV}={forced!r}: choose 0 or 1")
         return forced == "1"
     flags = cpu_flags() if flags is None else flags
-    return any(f in flags for f in VNNI_CPU_FLAGS)
+    return any(f in flags for f in VNNI_CPU_FLAGS) and not any(f in flags for f in BF16_CPU_FLAGS)
 
 
 def resolve_cpu_gemm_dtype(cpu_gemm_dtype: str, resolved_dtype: str) -> str:
