@@ -62,8 +62,9 @@ struct packed_weight {
 /* y [m, rows] = x [m, cols] W^T (+ b). */
 void packed_linear(const struct packed_weight *w, const float *x, const float *bias, float *y, int64_t m_dim,
                    int num_threads);
-/* The most rows of x packed_linear's fused kernels take for W in one pass (fewer than
- * kernels/linear/packed.py's few-row bound: the rows past it decode W's rows first). */
+/* The most rows of x packed_linear's fused kernels take for W in one pass (past them it
+ * decodes W's rows first); kernels/linear/packed.py sends the C kernel at least its few-row
+ * bound, and this many where it is larger. */
 int64_t packed_fused_rows(const struct packed_weight *w);
 /* x [rows, cols] rounded as the q4 / q8 formats read it: to int8 per block of 32 (cols % 32 == 0). */
 void round_activations(const float *x, int64_t rows, int64_t cols, float *out);

@@ -90,10 +90,8 @@ static float integer_row512(const struct packed_weight *w, int64_t n, const int8
  * lanes 0-7 hold v[2p] * k, lanes 8-15 v[2p + 1] * k (an odd last block pairs with 0). */
 static void pair_spread(const float *v, int64_t blocks, float k, __m512 *out) {
     for (int64_t p = 0; p < (blocks + 1) / 2; ++p) {
-        const float hi = 2 * p + 1 < blocks ? v[2 * p + 1] : 0.0f;
-        out[p] = _mm512_set_ps(hi, hi, hi, hi, hi, hi, hi, hi, v[2 * p], v[2 * p], v[2 * p], v[2 * p], v[2 * p],
-                               v[2 * p], v[2 * p], v[2 * p]);
-        out[p] = _mm512_mul_ps(out[p], _mm512_set1_ps(k));
+        const float hi = 2 * p + 1 < blocks ? v[2 * p + 1] * k : 0.0f;
+        out[p] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[2 * p] * k), _mm512_set1_ps(hi));
     }
 }
 

@@ -75,9 +75,9 @@ class PackedLinear(LinearMethod):
         step = max(TILE_ELEMENTS // w.cols, 1)
         tiles = (self._tile(bound, start, min(start + step, w.rows), dtype) for start in range(0, w.rows, step))
         if not x.is_cuda and transposed_wins(x.shape[0], dtype):  # the BLAS's faster form here
-            y = torch.cat([tile @ xg.T for tile in tiles]).T.contiguous()
+            y = _joined([tile @ xg.T for tile in tiles], 0).T.contiguous()
         else:
-            y = torch.cat([xg @ tile.T for tile in tiles], dim=1)
+            y = _joined([xg @ tile.T for tile in tiles], 1)
         y = y.to(x.dtype)
         return y if bias is None else y.add_(bias)
 
@@ -118,3 +118,8 @@ class PackedLinear(LinearMethod):
 
     def c_weight(self) -> BoundWeight | None:
         return self.bound
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The tiles' products side by side; one tile's as it is (a prefill's output, not copied)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
