@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import gguf
 import numpy as np
+
+from cadenza.models.gguf_file import GGUFFile
 
 # llama.cpp's layer patterns: Gemma 2 slides every other layer (the even ones), Gemma 3 five
 # layers in six; its 27B models scale queries by hidden / heads rather than head_dim (their
@@ -42,7 +43,7 @@ def gemma_fields(arch: str, meta: Meta, hidden: int, heads: int, layers: int) ->
     return fields
 
 
-def longrope_scaling(reader: gguf.GGUFReader, meta: Meta) -> dict[str, Any] | None:
+def longrope_scaling(reader: GGUFFile, meta: Meta) -> dict[str, Any] | None:
     """Phi-3's longrope, which llama.cpp stores as two factor tensors and scaling keys."""
     factors = {t.name: t for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
     if len(factors) < 2:

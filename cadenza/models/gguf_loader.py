@@ -13,6 +13,7 @@ import torch
 from cadenza.kernels.quant.gguf_blocks import KEPT_TYPES, packed_from_gguf
 from cadenza.kernels.quant.weight import PackedWeight
 from cadenza.models.config import ModelConfig
+from cadenza.models.gguf_file import GGUFFile, GGUFTensor
 from cadenza.models.gguf_reader import field_value, open_gguf, read_gguf_config  # noqa: F401 - this module's API
 from cadenza.models.moe import expert_weight_name
 
@@ -48,7 +49,7 @@ _SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short
 
 
 def iter_gguf_tensors(
-    reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, keep: bool = False
+    reader: GGUFFile, cfg: ModelConfig, path: Path, keep: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """HF-named tensors: fp32, or with `keep` every 2-D tensor of a type in KEPT_TYPES as a
     PackedWeight of its stored bytes. llama.cpp permutes Llama's Q/K rows for its RoPE; undo
@@ -78,9 +79,7 @@ def iter_gguf_tensors(
         yield name, torch.from_numpy(np.array(array, copy=True))
 
 
-def _expert_tensors(
-    t: gguf.ReaderTensor, cfg: ModelConfig, keep: bool
-) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+def _expert_tensors(t: GGUFTensor, cfg: ModelConfig, keep: bool) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """A routed layer's router, or one of its [E, rows, cols] expert tensors as E tensors under
     the per-expert names (views of one packed weight when kept: its rows are the experts' rows)."""
     _, layer, kind, _ = t.name.split(".")

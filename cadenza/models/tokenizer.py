@@ -7,12 +7,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from cadenza.models.chat_spans import RenderedChat, refuse_special_text, render_with_spans, special_text_pattern
 from cadenza.models.chat_template import render_chat
+from cadenza.models.gguf_file import GGUFFile
 from cadenza.models.gguf_reader import field_value
 from cadenza.models.spm_gguf import sentencepiece_bpe
 
@@ -140,7 +140,7 @@ class Tokenizer:
         return cls(backend, _hf_chat_template(directory, config), bos, eos, add_bos=False)
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader, path: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
+    def from_gguf(cls, reader: GGUFFile, path: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
         kind = field_value(reader, "tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
             raise ValueError(

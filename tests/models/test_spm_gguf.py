@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from cadenza.models.gguf_reader import open_gguf
 from cadenza.models.tokenizer import Tokenizer
 
 SPACE = "\u2581"
@@ -55,7 +56,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (our
     from transformers import AutoTokenizer
 
     path = _sentencepiece_gguf(tmp_path_factory.mktemp("spm") / "vocab.gguf")
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(str(path)), path, (2,))
+    ours = Tokenizer.from_gguf(open_gguf(path), path, (2,))
     return ours, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 

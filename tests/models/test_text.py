@@ -113,10 +113,9 @@ def _tokenizer_gguf(path: Path, pre: str) -> Path:
 
 def test_a_gguf_with_an_unknown_pre_tokenizer_is_refused_not_guessed(tmp_path: Path) -> None:
     """An unknown `tokenizer.ggml.pre` once fell back to GPT-2's split silently (wrong tokens)."""
-    import gguf
 
-    known = Tokenizer.from_gguf(gguf.GGUFReader(_tokenizer_gguf(tmp_path / "ok.gguf", "llama-bpe")), tmp_path, (3,))
+    known = Tokenizer.from_gguf(open_gguf(_tokenizer_gguf(tmp_path / "ok.gguf", "llama-bpe")), tmp_path, (3,))
     assert known.encode("ab", add_special_tokens=False) == [2]
     path = _tokenizer_gguf(tmp_path / "odd.gguf", "mystery-pre")
     with pytest.raises(ValueError, match=r"odd.gguf.*tokenizer.ggml.pre='mystery-pre'; supported: \["):
-        Tokenizer.from_gguf(gguf.GGUFReader(path), path, (3,))
+        Tokenizer.from_gguf(open_gguf(path), path, (3,))
