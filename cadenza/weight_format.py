@@ -74,11 +74,12 @@ class WeightFormat:
         compute = DTYPES[resolved] if on_cuda else torch.float32
         keep = quantization in (None, "gguf")
         gemm = compute if on_cuda else DTYPES[resolve_cpu_gemm_dtype(cpu_gemm_dtype, resolved)]
-        kv = _auto_kv_dtype(compute, gemm, on_cuda) if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+        int8_x = resolve_int8_activations(int8_activations, dtype, quantization, device)
+        rounded = not on_cuda and (gemm == torch.bfloat16 or int8_x)
+        kv = _auto_kv_dtype(compute, rounded) if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
         if on_cuda and kv != compute:
             raise ValueError(f"on CUDA the KV cache is in the activations' dtype ({compute}), not {kv_cache_dtype}")
         gguf_only = quantization == "gguf"
-        int8_x = resolve_int8_activations(int8_activations, dtype, quantization, device)
         return cls(resolved, on_load, group_size, keep, compute, gguf_only, int8_x, kv, gemm)
 
     def cache_dtype(self, activations: torch.dtype) -> torch.dtype:
@@ -95,9 +96,10 @@ class WeightFormat:
         return f"{name}-a8" if self.int8_activations else name
 
 
-def _auto_kv_dtype(compute: torch.dtype, gemm: torch.dtype, on_cuda: bool) -> torch.dtype:
-    """kv_cache_dtype "auto": the activations' dtype, except on a CPU whose prefill GEMMs are
-    bf16 (cpu_gemm_dtype resolved to bf16: activations are rounded to bf16 there already),
-    where fp16 K/V, finer than bf16, halve what a long context's decode reads and the pool's
-    bytes (SmolLM2 at 6144 tokens, Zen 4: 44.2-44.7 against 32.0-34.7 tok/s)."""
-    return torch.float16 if not on_cuda and gemm == torch.bfloat16 else compute
+def _auto_kv_dtype(compute: torch.dtype, rounded: bool) -> torch.dtype:
+    """kv_cache_dtype "auto": the activations' dtype, except on a CPU whose activations are
+    rounded already (prefill GEMMs in bf16, or int8 activations), where fp16 K/V, finer than
+    either, halve the pool's bytes and what decode attention reads: SmolLM2 at 6144 tokens on
+    a Zen 4, 44.2-44.7 against 32.0-34.7 tok/s; the served 32-stream batch's resident memory
+    on an Ice Lake (int8 activations), 953 to 754 MB (../shared/peers, `--only served`)."""
+    return torch.float16 if rounded else compute

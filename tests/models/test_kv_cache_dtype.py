@@ -74,3 +74,13 @@ def test_the_kv_cache_dtype_is_checked() -> None:
         WeightFormat.resolve("auto", None, 32, "cuda", False, "float16")
     assert WeightFormat.resolve("float32", None, 32, "cpu", False, "float16").kv_dtype == torch.float16
     assert WeightFormat.resolve("float32", None, 32, "cpu").kv_dtype == torch.float32
+
+
+def test_auto_is_fp16_on_a_cpu_only_where_activations_are_rounded_already() -> None:
+    """Exact fp32 math keeps an fp32 cache; int8 activations or bf16 GEMMs already round more
+    than fp16 K/V would, so the pool halves there."""
+    assert WeightFormat.resolve("auto", "gguf", 32, "cpu", False, cpu_gemm_dtype="float32").kv_dtype == torch.float32
+    assert WeightFormat.resolve("auto", "gguf", 32, "cpu", True, cpu_gemm_dtype="float32").kv_dtype == torch.float16
+    assert WeightFormat.resolve("auto", "gguf", 32, "cpu", False, cpu_gemm_dtype="bfloat16").kv_dtype == torch.float16
+    explicit = WeightFormat.resolve("auto", "gguf", 32, "cpu", True, "float32", cpu_gemm_dtype="float32")
+    assert explicit.kv_dtype == torch.float32
