@@ -95,69 +95,112 @@ static void pair_spread(const float *v, int64_t blocks, float k, __m512 *out) {
     }
 }
 
-/* A batch's x for integer_batch512: codes (xq), and per row and pair of blocks the spread
- * scales (dxv) and block sums / 8 (xsv: 8 lanes per block sum back to the block's sum). */
+/* A batch's x for integer_batch512: codes (xq), per row and pair of blocks the spread scales
+ * (dxv), and the block sums transposed, [blocks][m_pad] with m_pad a multiple of 16, for the
+ * min term (q4's offset times each block's sum of x). */
 struct int8_batch {
     const int8_t *xq;
-    const __m512 *dxv, *xsv;
-    int64_t pairs;
+    const __m512 *dxv;
+    const float *xsum_t;
+    int64_t pairs, m_pad;
 };
 
-/* Rows m .. m + rows - 1 (rows 1-4, a constant once inlined) of the batch against weight row
- * n's widened codes and spread scales: one accumulator chain per row, so 4 rows keep 4 FMA
- * chains in flight (one row alone is bound by the FMA's latency). */
+/* Weight rows n .. n + nw - 1 (nw 1-2) against rows m .. m + rows - 1 of the batch (rows 1-4;
+ * both constants once inlined): per pair of blocks each x vector and its scales are loaded once
+ * for both weight rows, and 8 accumulator chains are in flight (one alone is bound by the
+ * FMA's latency). codes and sv hold each weight row's pairs one after the other. */
 static inline __attribute__((always_inline)) void integer_rows_batch512(const __m512i *codes, const __m512 *sv,
-                                                                      const __m512 *mv,
-                                                                      const struct int8_batch *x, int64_t cols,
-                                                                      int64_t m, const int rows, float bias,
-                                                                      float *y, int64_t y_stride) {
+                                                                      const int nw, const struct int8_batch *x,
+                                                                      int64_t cols, int64_t m, const int rows,
+                                                                      float sums[2][4]) {
     const int64_t pairs = x->pairs;
-    __m512 acc[4];
-    for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[2][4];
+    for (int v = 0; v < nw; ++v)
+        for (int r = 0; r < rows; ++r) acc[v][r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
         for (int r = 0; r < rows; ++r) {
-            const int64_t row = m + r;
-            const __m512i xv = _mm512_loadu_si512((const void *)(x->xq + row * cols + p * 64));
-            const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(dot_pair512(codes[p], xv)), x->dxv[row * pairs + p]);
-            acc[r] = _mm512_fmadd_ps(dot, sv[p], acc[r]);
-            acc[r] = _mm512_fmadd_ps(mv[p], x->xsv[row * pairs + p], acc[r]);
+            const __m512i xv = _mm512_loadu_si512((const void *)(x->xq + (m + r) * cols + p * 64));
+            const __m512 dxv = x->dxv[(m + r) * pairs + p];
+            for (int v = 0; v < nw; ++v) {
+                const __m512 dot = _mm512_cvtepi32_ps(dot_pair512(codes[v * pairs + p], xv));
+                acc[v][r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dxv), sv[v * pairs + p], acc[v][r]);
+            }
         }
     }
-    for (int r = 0; r < rows; ++r) y[(m + r) * y_stride] = _mm512_reduce_add_ps(acc[r]) + bias;
+    for (int v = 0; v < nw; ++v)
+        for (int r = 0; r < rows; ++r) sums[v][r] = _mm512_reduce_add_ps(acc[v][r]);
 }
 
-/* The integer path's row n against every row of a batch (q4, blocks in pairs: cols % 64 == 0).
- * Per weight row the codes are widened and the scales spread once; then per row of x and pair
- * of blocks one VNNI dot, a conversion and a multiply by x's scales, and two FMAs (the weight's
- * scales, q4's min term): no per-row scalar work but the final sum. */
-static void integer_batch512(const struct packed_weight *w, int64_t n, const struct int8_batch *x, int64_t m_dim,
-                             float bias, float *y, int64_t y_stride) {
+/* sum_b minimum[b] * xsum[m][b] for every row m of the batch (out: m_pad values), 16 rows a
+ * vector and up to 4 vectors in flight: the min term once per weight row, not per pair. */
+static void min_terms(const float *minimum, int64_t blocks, const struct int8_batch *x, float *out) {
+    for (int64_t m0 = 0; m0 < x->m_pad; m0 += 64) {
+        const int64_t chunks = (x->m_pad - m0) / 16 < 4 ? (x->m_pad - m0) / 16 : 4;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t b = 0; b < blocks; ++b) {
+            const __m512 mb = _mm512_set1_ps(minimum[b]);
+            for (int64_t c = 0; c < chunks; ++c)
+                acc[c] = _mm512_fmadd_ps(mb, _mm512_load_ps(x->xsum_t + b * x->m_pad + m0 + 16 * c), acc[c]);
+        }
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + m0 + 16 * c, acc[c]);
+    }
+}
+
+/* The batch's rows in groups of 4 against weight rows n .. n + nw - 1 (nw 1-2), whose codes,
+ * spread scales and min terms are ready. */
+static inline __attribute__((always_inline)) void integer_rows_all512(const __m512i *codes, const __m512 *sv,
+                                                                    const float *mins, const int nw,
+                                                                    const struct int8_batch *x, int64_t cols,
+                                                                    int64_t m_dim, const float *bias, float *y,
+                                                                    int64_t y_stride) {
+    float sums[2][4];
+    for (int64_t m = 0; m < m_dim; m += 4) {
+        const int64_t rows = m_dim - m < 4 ? m_dim - m : 4;
+        switch (rows) {
+        case 4: integer_rows_batch512(codes, sv, nw, x, cols, m, 4, sums); break;
+        case 3: integer_rows_batch512(codes, sv, nw, x, cols, m, 3, sums); break;
+        case 2: integer_rows_batch512(codes, sv, nw, x, cols, m, 2, sums); break;
+        default: integer_rows_batch512(codes, sv, nw, x, cols, m, 1, sums); break;
+        }
+        for (int v = 0; v < nw; ++v)
+            for (int64_t r = 0; r < rows; ++r) y[(m + r) * y_stride + v] = sums[v][r] + mins[v * x->m_pad + m + r] + bias[v];
+    }
+}
+
+/* The integer path's weight rows n .. n + nw - 1 (nw 1-2) against every row of a batch (q4,
+ * blocks in pairs: cols % 64 == 0). Per weight row the codes are widened, the scales spread
+ * and the min terms summed once; then per row of x and pair of blocks one VNNI dot, a
+ * conversion, a multiply by x's scales and an FMA with the weight's, each x vector serving
+ * both weight rows. */
+static void integer_batch512(const struct packed_weight *w, int64_t n, const int nw, const struct int8_batch *x,
+                             int64_t m_dim, const float *bias, float *y, int64_t y_stride) {
     const int64_t cols = w->cols, blocks = cols / 32, pairs = x->pairs;
     float scale[blocks + 8], minimum[blocks + 8];
-    block_scales(w, n, 1, scale, minimum);
-    __m512i codes[pairs];
-    __m512 sv[pairs], mv[pairs];
-    pair_spread(scale, blocks, 1.0f, sv);
-    pair_spread(minimum, blocks, 1.0f, mv);
-    for (int64_t p = 0; p < pairs; ++p) codes[p] = q4_pair512((const uint8_t *)w->data + n * (cols / 2) + p * 32);
-    int64_t m = 0;
-    for (; m + 4 <= m_dim; m += 4) integer_rows_batch512(codes, sv, mv, x, cols, m, 4, bias, y, y_stride);
-    switch (m_dim - m) {
-    case 3: integer_rows_batch512(codes, sv, mv, x, cols, m, 3, bias, y, y_stride); break;
-    case 2: integer_rows_batch512(codes, sv, mv, x, cols, m, 2, bias, y, y_stride); break;
-    case 1: integer_rows_batch512(codes, sv, mv, x, cols, m, 1, bias, y, y_stride); break;
-    default: break;
+    float mins[2 * x->m_pad];
+    __m512i codes[2 * pairs];
+    __m512 sv[2 * pairs];
+    for (int v = 0; v < nw; ++v) {
+        block_scales(w, n + v, 1, scale, minimum);
+        pair_spread(scale, blocks, 1.0f, sv + v * pairs);
+        min_terms(minimum, blocks, x, mins + v * x->m_pad);
+        for (int64_t p = 0; p < pairs; ++p)
+            codes[v * pairs + p] = q4_pair512((const uint8_t *)w->data + (n + v) * (cols / 2) + p * 32);
     }
+    if (nw == 2) integer_rows_all512(codes, sv, mins, 2, x, cols, m_dim, bias, y + n, y_stride);
+    else integer_rows_all512(codes, sv, mins, 1, x, cols, m_dim, bias, y + n, y_stride);
 }
 
-/* integer_batch512's x: the spread vectors of quantize_rows' scales and block sums. */
-static __m512 *spread_batch(const float *dx, const float *xsum, int64_t m_dim, int64_t blocks, int64_t pairs) {
-    __m512 *v = aligned_alloc(64, sizeof(__m512) * (size_t)(2 * m_dim * pairs));
+/* integer_batch512's x: the spread vectors of quantize_rows' scales ([m_dim][pairs]), then the
+ * block sums transposed ([blocks][m_pad], zero past m_dim), in one 64-byte-aligned buffer. */
+static __m512 *spread_batch(const float *dx, const float *xsum, int64_t m_dim, int64_t blocks, int64_t pairs,
+                            int64_t m_pad) {
+    const size_t spread = sizeof(__m512) * (size_t)(m_dim * pairs), sums = sizeof(float) * (size_t)(blocks * m_pad);
+    __m512 *v = aligned_alloc(64, spread + (sums + 63) / 64 * 64);
     if (!v) return 0;
-    for (int64_t m = 0; m < m_dim; ++m) {
-        pair_spread(dx + m * blocks, blocks, 1.0f, v + m * pairs);
-        pair_spread(xsum + m * blocks, blocks, 0.125f, v + (m_dim + m) * pairs);
-    }
+    for (int64_t m = 0; m < m_dim; ++m) pair_spread(dx + m * blocks, blocks, 1.0f, v + m * pairs);
+    float *t = (float *)(v + m_dim * pairs);
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t m = 0; m < m_pad; ++m) t[b * m_pad + m] = m < m_dim ? xsum[m * blocks + b] : 0.0f;
     return v;
 }
 #else

@@ -109,6 +109,7 @@ def test_the_c_kernel_matches_dequantize_then_matmul(shape: tuple[int, int], nam
         expected, tol = _expected(w, x, reference, bias, round_x), 1e-4 * (1 + x.abs() @ reference.abs().T)
         assert ((packed_linear(bound, x, bias) - expected).abs() <= tol).all(), f"{rows} rows"
         assert ((method.apply(x, bias) - expected).abs() <= tol).all(), f"{rows} rows, the method"
+        assert ((packed_linear(bound, x, None) - (expected - bias)).abs() <= tol).all(), f"{rows} rows, no bias"
     assert torch.equal(packed_dequantize(bound, 3, 11), reference[3:11])
     # bf16 tiles round as torch does: the C and torch backends multiply the same tiles
     assert torch.equal(packed_dequantize(bound, 3, 11, torch.bfloat16), reference[3:11].bfloat16())
