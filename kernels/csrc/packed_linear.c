@@ -380,10 +380,12 @@ static inline __attribute__((always_inline)) void integer_rows(const struct pack
 
 #include "packed_row512.c"
 
-/* A q4 batch through integer_batch512; 0 (nothing done) when its buffers cannot be had. */
-static int integer_batch(const struct packed_weight *w, const int8_t *xq, const float *dx, const float *xsum,
+/* A q4 (or, on VNNI hosts, q8) batch through integer_batch512; 0 (nothing done) when its
+ * buffers cannot be had or the host cannot take the kind. */
+static int integer_batch(const struct packed_weight *w, int8_t *xq, const float *dx, const float *xsum,
                          const float *bias, float *y, int64_t m_dim, int num_threads) {
 #if ROW512
+    if (w->kind == WK_Q8 && !VNNI512) return 0;
     const int64_t n_dim = w->rows, blocks = w->cols / 32, pairs = blocks / 2, m_pad = (m_dim + 15) / 16 * 16;
     __m512 *spread = spread_batch(dx, xsum, m_dim, blocks, pairs, m_pad);
     float *zeros = bias ? 0 : calloc((size_t)n_dim, sizeof(float));
@@ -391,6 +393,8 @@ static int integer_batch(const struct packed_weight *w, const int8_t *xq, const 
         free(spread), free(zeros);
         return 0;
     }
+    if (w->kind == WK_Q8) /* x + 128 as unsigned bytes, VNNI's first operand (q8_pair512) */
+        for (int64_t i = 0; i < m_dim * w->cols; ++i) ((uint8_t *)xq)[i] ^= 0x80;
     const struct int8_batch x = {xq, spread, (const float *)(spread + m_dim * pairs), pairs, m_pad};
     const float *b = bias ? bias : zeros;
     /* weight rows in pairs (each x vector loaded once for two); an odd last one alone */
@@ -422,7 +426,7 @@ static void integer_linear(const struct packed_weight *w, const float *x, const 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t n = 0; n < n_dim; ++n) y[n] = integer_row512(w, n, xq, dx, xsum) + (bias ? bias[n] : 0.0f);
     } else if (m_dim > FUSED_ROWS && integer_batch(w, xq, dx, xsum, bias, y, m_dim, num_threads)) {
-        /* a q4 batch on AVX-512 (packed_fused_rows): done */
+        /* a q4 or q8 batch on AVX-512 (packed_fused_rows): done */
     } else {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t n = 0; n < n_dim; ++n) {
@@ -585,7 +589,8 @@ static void bf16_linear(const struct packed_weight *w, const float *x, const flo
 #endif
 
 int64_t packed_fused_rows(const struct packed_weight *w) {
-    if (ROW512 && rounds_activations(w) && w->kind == WK_Q4 && w->cols % 64 == 0) return INTEGER_ROWS;
+    if (ROW512 && rounds_activations(w) && w->cols % 64 == 0 && (w->kind == WK_Q4 || (VNNI512 && w->kind == WK_Q8)))
+        return INTEGER_ROWS;
     return fuses(w) || w->kind == WK_BF16 ? FUSED_ROWS : 0;
 }
 

@@ -15,6 +15,12 @@
  * runs against the AVX2 forms): exact decode 1.33x, int8 x 1.12x. q8 stays on the AVX2 forms:
  * its 16-lane rows gained nothing measurable there (on-load int8, and the Q8_0 LM head).
  */
+#if defined(__AVX512VNNI__)
+#define VNNI512 1 /* q8 batches need it (dot_pair512_q8) */
+#else
+#define VNNI512 0
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ROW512 1
 
@@ -105,14 +111,27 @@ struct int8_batch {
     int64_t pairs, m_pad;
 };
 
+/* 64 of x (made unsigned: x + 128) times 64 signed q8 codes, summed in 16 lanes of 4 products
+ * on top of `init`, which holds -128 times each lane's 4 codes: the exact signed sum in one
+ * VNNI instruction (AVX512-BW's two-instruction form would saturate at these magnitudes). */
+static inline __m512i dot_pair512_q8(__m512i init, __m512i x_unsigned, __m512i w_signed) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(init, x_unsigned, w_signed);
+#else
+    (void)x_unsigned, (void)w_signed;
+    return init; /* not reached: packed_fused_rows offers q8 batches on VNNI hosts only */
+#endif
+}
+
 /* Weight rows n .. n + nw - 1 (nw 1-2) against rows m .. m + rows - 1 of the batch (rows 1-4;
- * both constants once inlined): per pair of blocks each x vector and its scales are loaded once
- * for both weight rows, and 8 accumulator chains are in flight (one alone is bound by the
- * FMA's latency). codes and sv hold each weight row's pairs one after the other. */
-static inline __attribute__((always_inline)) void integer_rows_batch512(const __m512i *codes, const __m512 *sv,
-                                                                      const int nw, const struct int8_batch *x,
-                                                                      int64_t cols, int64_t m, const int rows,
-                                                                      float sums[2][4]) {
+ * nw, rows and q8 constants once inlined): per pair of blocks each x vector and its scales are
+ * loaded once for both weight rows, and 8 accumulator chains are in flight (one alone is
+ * bound by the FMA's latency). codes, init and sv hold each weight row's pairs one after the
+ * other; init is read for q8 only. */
+static inline __attribute__((always_inline)) void integer_rows_batch512(const __m512i *codes, const __m512i *init,
+                                                                      const __m512 *sv, const int nw, const int q8,
+                                                                      const struct int8_batch *x, int64_t cols,
+                                                                      int64_t m, const int rows, float sums[2][4]) {
     const int64_t pairs = x->pairs;
     __m512 acc[2][4];
     for (int v = 0; v < nw; ++v)
@@ -122,8 +141,9 @@ static inline __attribute__((always_inline)) void integer_rows_batch512(const __
             const __m512i xv = _mm512_loadu_si512((const void *)(x->xq + (m + r) * cols + p * 64));
             const __m512 dxv = x->dxv[(m + r) * pairs + p];
             for (int v = 0; v < nw; ++v) {
-                const __m512 dot = _mm512_cvtepi32_ps(dot_pair512(codes[v * pairs + p], xv));
-                acc[v][r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dxv), sv[v * pairs + p], acc[v][r]);
+                const int64_t i = v * pairs + p;
+                const __m512i sum = q8 ? dot_pair512_q8(init[i], xv, codes[i]) : dot_pair512(codes[i], xv);
+                acc[v][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dxv), sv[i], acc[v][r]);
             }
         }
     }
@@ -147,9 +167,10 @@ static void min_terms(const float *minimum, int64_t blocks, const struct int8_ba
 }
 
 /* The batch's rows in groups of 4 against weight rows n .. n + nw - 1 (nw 1-2), whose codes,
- * spread scales and min terms are ready. */
-static inline __attribute__((always_inline)) void integer_rows_all512(const __m512i *codes, const __m512 *sv,
-                                                                    const float *mins, const int nw,
+ * spread scales and min terms (zero for q8) are ready. */
+static inline __attribute__((always_inline)) void integer_rows_all512(const __m512i *codes, const __m512i *init,
+                                                                    const __m512 *sv, const float *mins,
+                                                                    const int nw, const int q8,
                                                                     const struct int8_batch *x, int64_t cols,
                                                                     int64_t m_dim, const float *bias, float *y,
                                                                     int64_t y_stride) {
@@ -157,37 +178,57 @@ static inline __attribute__((always_inline)) void integer_rows_all512(const __m5
     for (int64_t m = 0; m < m_dim; m += 4) {
         const int64_t rows = m_dim - m < 4 ? m_dim - m : 4;
         switch (rows) {
-        case 4: integer_rows_batch512(codes, sv, nw, x, cols, m, 4, sums); break;
-        case 3: integer_rows_batch512(codes, sv, nw, x, cols, m, 3, sums); break;
-        case 2: integer_rows_batch512(codes, sv, nw, x, cols, m, 2, sums); break;
-        default: integer_rows_batch512(codes, sv, nw, x, cols, m, 1, sums); break;
+        case 4: integer_rows_batch512(codes, init, sv, nw, q8, x, cols, m, 4, sums); break;
+        case 3: integer_rows_batch512(codes, init, sv, nw, q8, x, cols, m, 3, sums); break;
+        case 2: integer_rows_batch512(codes, init, sv, nw, q8, x, cols, m, 2, sums); break;
+        default: integer_rows_batch512(codes, init, sv, nw, q8, x, cols, m, 1, sums); break;
         }
         for (int v = 0; v < nw; ++v)
             for (int64_t r = 0; r < rows; ++r) y[(m + r) * y_stride + v] = sums[v][r] + mins[v * x->m_pad + m + r] + bias[v];
     }
 }
 
-/* The integer path's weight rows n .. n + nw - 1 (nw 1-2) against every row of a batch (q4,
- * blocks in pairs: cols % 64 == 0). Per weight row the codes are widened, the scales spread
- * and the min terms summed once; then per row of x and pair of blocks one VNNI dot, a
- * conversion, a multiply by x's scales and an FMA with the weight's, each x vector serving
- * both weight rows. */
+/* A q8 row's pair of blocks p: its 64 signed codes, and -128 times each lane's 4 of them
+ * (what x's +128 adds to the unsigned-by-signed dot). */
+static inline __m512i q8_pair512(const struct packed_weight *w, int64_t n, int64_t p, __m512i *init) {
+    const __m512i codes = _mm512_loadu_si512((const void *)((const int8_t *)w->data + n * w->cols + p * 64));
+#if defined(__AVX512VNNI__)
+    const __m512i lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), codes);
+    *init = _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-128));
+#else
+    *init = _mm512_setzero_si512();
+#endif
+    return codes;
+}
+
+/* The integer path's weight rows n .. n + nw - 1 (nw 1-2) against every row of a batch (q4 or
+ * q8, blocks in pairs: cols % 64 == 0; q8's x made unsigned). Per weight row the codes are
+ * read, the scales spread and q4's min terms summed once; then per row of x and pair of
+ * blocks one VNNI dot, a conversion, a multiply by x's scales and an FMA with the weight's,
+ * each x vector serving both weight rows. */
 static void integer_batch512(const struct packed_weight *w, int64_t n, const int nw, const struct int8_batch *x,
                              int64_t m_dim, const float *bias, float *y, int64_t y_stride) {
     const int64_t cols = w->cols, blocks = cols / 32, pairs = x->pairs;
+    const int q8 = w->kind == WK_Q8;
     float scale[blocks + 8], minimum[blocks + 8];
     float mins[2 * x->m_pad];
-    __m512i codes[2 * pairs];
+    __m512i codes[2 * pairs], init[2 * pairs];
     __m512 sv[2 * pairs];
     for (int v = 0; v < nw; ++v) {
-        block_scales(w, n + v, 1, scale, minimum);
+        block_scales(w, n + v, !q8, scale, minimum);
         pair_spread(scale, blocks, 1.0f, sv + v * pairs);
-        min_terms(minimum, blocks, x, mins + v * x->m_pad);
+        if (q8)
+            memset(mins + v * x->m_pad, 0, sizeof(float) * (size_t)x->m_pad);
+        else
+            min_terms(minimum, blocks, x, mins + v * x->m_pad);
         for (int64_t p = 0; p < pairs; ++p)
-            codes[v * pairs + p] = q4_pair512((const uint8_t *)w->data + (n + v) * (cols / 2) + p * 32);
+            codes[v * pairs + p] = q8 ? q8_pair512(w, n + v, p, init + v * pairs + p)
+                                      : q4_pair512((const uint8_t *)w->data + (n + v) * (cols / 2) + p * 32);
     }
-    if (nw == 2) integer_rows_all512(codes, sv, mins, 2, x, cols, m_dim, bias, y + n, y_stride);
-    else integer_rows_all512(codes, sv, mins, 1, x, cols, m_dim, bias, y + n, y_stride);
+    if (q8 && nw == 2) integer_rows_all512(codes, init, sv, mins, 2, 1, x, cols, m_dim, bias, y + n, y_stride);
+    else if (q8) integer_rows_all512(codes, init, sv, mins, 1, 1, x, cols, m_dim, bias, y + n, y_stride);
+    else if (nw == 2) integer_rows_all512(codes, init, sv, mins, 2, 0, x, cols, m_dim, bias, y + n, y_stride);
+    else integer_rows_all512(codes, init, sv, mins, 1, 0, x, cols, m_dim, bias, y + n, y_stride);
 }
 
 /* integer_batch512's x: the spread vectors of quantize_rows' scales ([m_dim][pairs]), then the

@@ -1,7 +1,7 @@
 """The packed method: W kept in its stored format (kernels/quant/weight.py) on the CPU.
 
 - up to PACKED_FEW_ROWS rows (decode, k + 1 verification, small decode batches), or as many
-  as the C kernel's fused path takes (BoundWeight.fused_rows: q4 batches up to 64 rows with
+  as the C kernel's fused path takes (BoundWeight.fused_rows: q4, and q8 on VNNI, batches up to 64 rows with
   int8_activations on AVX-512): the C kernel reads the stored bytes once for all rows
   (csrc/packed_linear.c);
 - more rows (larger batches, prefill): tiles of W decoded to fp32 by the C kernel, each
