@@ -120,7 +120,8 @@ class EngineConfig:
         "auto",
         "cache",
         "the KV cache's elements. `auto`: the activations' dtype (fp32 on the CPU, exact), except fp16 where "
-        "`cpu_gemm_dtype` resolves to bf16 or `int8_activations` is on (activations rounded already); `float16` on the CPU halves the pool's bytes and what a long context's "
+        "`cpu_gemm_dtype` resolves to bf16 or `int8_activations` is on (activations rounded already); "
+        "`float16` on the CPU halves the pool's bytes and what a long context's "
         "decode reads (SmolLM2 at 6144 tokens: decode 1.20x faster) for K and V rounded to fp16; `bfloat16` there "
         "runs the torch reference. On CUDA only the activations' dtype",
         choices=KV_CACHE_DTYPES,
