@@ -201,7 +201,12 @@ static inline int fuses(const struct packed_weight *w) {
 
 static inline float block_scale(const float *v) {
     float amax = 0.0f;
-    for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    /* a compare, not fmaxf: the same result (a NaN is skipped either way), but it vectorises,
+     * where fmaxf stayed a libm call per element (1.6% of a batch step under perf) */
+    for (int j = 0; j < 32; ++j) {
+        const float a = fabsf(v[j]);
+        amax = a > amax ? a : amax;
+    }
     return amax / 127.0f;
 }
 
