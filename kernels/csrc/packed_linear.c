@@ -210,7 +210,12 @@ static inline float block_scale(const float *v) {
     return amax / 127.0f;
 }
 
+/* Blocks of x rounded per thread (OpenMP's team, as torch sets it) once there are enough: a
+ * serial pass left the other core spinning in the runtime (a prefill's x, a batch's). */
+#define PARALLEL_ROUNDING 8192
+
 void round_activations(const float *x, int64_t rows, int64_t cols, float *out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_ROUNDING)
     for (int64_t i = 0; i < rows * cols / 32; ++i) {
         const float *v = x + i * 32;
         const float d = block_scale(v), inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -264,7 +269,9 @@ static void decoded_rows_linear(const struct packed_weight *w, const float *x, c
 
 /* x [m, cols] -> int8 codes, a scale and the rounded values' sum per block of 32 (q4's min
  * term: the sum of what the other paths multiply). */
-static void quantize_rows(const float *x, int64_t m_dim, int64_t cols, int8_t *xq, float *dx, float *xsum) {
+static void quantize_rows(const float *x, int64_t m_dim, int64_t cols, int8_t *xq, float *dx, float *xsum,
+                          int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m_dim * cols >= PARALLEL_ROUNDING)
     for (int64_t i = 0; i < m_dim * cols / 32; ++i) {
         const float *v = x + i * 32;
         const float d = block_scale(v), inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -426,7 +433,7 @@ static void integer_linear(const struct packed_weight *w, const float *x, const 
         decoded_rows_linear(w, x, bias, y, m_dim, num_threads);
         return;
     }
-    quantize_rows(x, m_dim, cols, xq, dx, xsum);
+    quantize_rows(x, m_dim, cols, xq, dx, xsum, num_threads);
     if (ROW512 && q4 && m_dim == 1) { /* single-stream q4 decode: the AVX-512 form */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t n = 0; n < n_dim; ++n) y[n] = integer_row512(w, n, xq, dx, xsum) + (bias ? bias[n] : 0.0f);
