@@ -34,6 +34,7 @@ def _assert_same_as_gguf_py(path: Path) -> GGUFFile:
     return ours
 
 
+@pytest.mark.heavy  # not in make test-quick: the real model, and gguf-py parses it in 2.5 s
 def test_smollm2_reads_as_gguf_py_reads_it(smollm_path: Path) -> None:
     ours = _assert_same_as_gguf_py(smollm_path)
     assert len(ours.fields["tokenizer.ggml.tokens"]) == 49152 and len(ours.tensors) == 272
