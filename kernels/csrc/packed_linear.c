@@ -400,20 +400,15 @@ static int integer_batch(const struct packed_weight *w, int8_t *xq, const float 
     if (w->kind == WK_Q8 && !VNNI512) return 0;
     const int64_t n_dim = w->rows, blocks = w->cols / 32, pairs = blocks / 2, m_pad = (m_dim + 15) / 16 * 16;
     __m512 *spread = spread_batch(dx, xsum, m_dim, blocks, pairs, m_pad);
-    float *zeros = bias ? 0 : calloc((size_t)n_dim, sizeof(float));
-    if (!spread || (!bias && !zeros)) {
-        free(spread), free(zeros);
-        return 0;
-    }
+    if (!spread) return 0;
     if (w->kind == WK_Q8) /* x + 128 as unsigned bytes, VNNI's first operand (q8_pair512) */
         for (int64_t i = 0; i < m_dim * w->cols; ++i) ((uint8_t *)xq)[i] ^= 0x80;
     const struct int8_batch x = {xq, spread, (const float *)(spread + m_dim * pairs), pairs, m_pad};
-    const float *b = bias ? bias : zeros;
     /* weight rows in pairs (each x vector loaded once for two); an odd last one alone */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < n_dim; n += 2)
-        integer_batch512(w, n, n + 1 < n_dim ? 2 : 1, &x, m_dim, b + n, y, n_dim);
-    free(spread), free(zeros);
+        integer_batch512(w, n, n + 1 < n_dim ? 2 : 1, &x, m_dim, bias ? bias + n : 0, y, n_dim);
+    free(spread);
     return 1;
 #else
     (void)w, (void)xq, (void)dx, (void)xsum, (void)bias, (void)y, (void)m_dim, (void)num_threads;

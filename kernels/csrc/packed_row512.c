@@ -167,7 +167,7 @@ static void min_terms(const float *minimum, int64_t blocks, const struct int8_ba
 }
 
 /* The batch's rows in groups of 4 against weight rows n .. n + nw - 1 (nw 1-2), whose codes,
- * spread scales and min terms (zero for q8) are ready. */
+ * spread scales and min terms (zero for q8) are ready; bias starts at row n, or is NULL. */
 static inline __attribute__((always_inline)) void integer_rows_all512(const __m512i *codes, const __m512i *init,
                                                                     const __m512 *sv, const float *mins,
                                                                     const int nw, const int q8,
@@ -184,7 +184,8 @@ static inline __attribute__((always_inline)) void integer_rows_all512(const __m5
         default: integer_rows_batch512(codes, init, sv, nw, q8, x, cols, m, 1, sums); break;
         }
         for (int v = 0; v < nw; ++v)
-            for (int64_t r = 0; r < rows; ++r) y[(m + r) * y_stride + v] = sums[v][r] + mins[v * x->m_pad + m + r] + bias[v];
+            for (int64_t r = 0; r < rows; ++r)
+                y[(m + r) * y_stride + v] = sums[v][r] + mins[v * x->m_pad + m + r] + (bias ? bias[v] : 0.0f);
     }
 }
 
