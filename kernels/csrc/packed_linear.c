@@ -259,13 +259,14 @@ static void decoded_rows_linear(const struct packed_weight *w, const float *x, c
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FUSED_ROWS 8
-/* With int8_activations, q4 on AVX-512 (VNNI or BW) takes batches in its integer path too
- * (integer_batch512: codes widened once per weight row for every row of x). Measured on a
- * 2-core Ice Lake Xeon, a 3072 x 576 q4 projection at 32 rows: 1.1 ms against 1.9 for the
- * int8-rounded x through the BLAS's fp32 tiles; with weight rows in pairs and the min term
- * once per weight row, 1536 x 576 at 32 rows 0.41 ms against 0.72 before that.
+/* With int8_activations, q4 on AVX-512 (VNNI or BW; q8 on VNNI) takes every batch in its
+ * integer path, prefill included: tiled_batch512.c, 16 weight rows to a register. Measured on
+ * a 2-core Ice Lake Xeon (AVX-512 VNNI, no bf16), best of 7 x 50 calls, 2 threads: a 1536 x 576
+ * q4 projection at 32 rows 0.15-0.29 ms against 0.52 with one weight row's blocks along a
+ * register (the kernel before it), 576 x 1536 0.19-0.28 against 0.43; at 128 and 512 rows
+ * 1.5-2.2x faster than decoding fp32 tiles for the BLAS (whose x is rounded the same way).
  * packed_fused_rows tells kernels/linear/packed.py. */
-#define INTEGER_ROWS 64
+#define INTEGER_ROWS ((int64_t)1 << 40) /* any batch, prefill included */
 
 /* x [m, cols] -> int8 codes, a scale and the rounded values' sum per block of 32 (q4's min
  * term: the sum of what the other paths multiply). */
@@ -392,24 +393,21 @@ static inline __attribute__((always_inline)) void integer_rows(const struct pack
 
 #include "packed_row512.c"
 
-/* A q4 (or, on VNNI hosts, q8) batch through integer_batch512; 0 (nothing done) when its
+#include "tiled_batch512.c"
+
+/* A q4 (or, on VNNI hosts, q8) batch through tiled_batch512; 0 (nothing done) when its
  * buffers cannot be had or the host cannot take the kind. */
 static int integer_batch(const struct packed_weight *w, int8_t *xq, const float *dx, const float *xsum,
                          const float *bias, float *y, int64_t m_dim, int num_threads) {
 #if ROW512
-    if (w->kind == WK_Q8 && !VNNI512) return 0;
-    const int64_t n_dim = w->rows, blocks = w->cols / 32, pairs = blocks / 2, m_pad = (m_dim + 15) / 16 * 16;
-    __m512 *spread = spread_batch(dx, xsum, m_dim, blocks, pairs, m_pad);
-    if (!spread) return 0;
-    if (w->kind == WK_Q8) /* x + 128 as unsigned bytes, VNNI's first operand (q8_pair512) */
-        for (int64_t i = 0; i < m_dim * w->cols; ++i) ((uint8_t *)xq)[i] ^= 0x80;
-    const struct int8_batch x = {xq, spread, (const float *)(spread + m_dim * pairs), pairs, m_pad};
-    /* weight rows in pairs (each x vector loaded once for two); an odd last one alone */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < n_dim; n += 2)
-        integer_batch512(w, n, n + 1 < n_dim ? 2 : 1, &x, m_dim, bias ? bias + n : 0, y, n_dim);
-    free(spread);
-    return 1;
+    const int q8 = w->kind == WK_Q8;
+    if (q8 && !VNNI512) return 0;
+    /* q8: x + 128 as unsigned bytes, VNNI's first operand (tile_dots); undone if not taken */
+    for (int64_t i = 0; q8 && i < m_dim * w->cols; ++i) ((uint8_t *)xq)[i] ^= 0x80;
+    const struct int8_rows x = {xq, dx, xsum, w->cols};
+    const int done = tiled_batch512(w, &x, m_dim, bias, y, num_threads);
+    for (int64_t i = 0; q8 && !done && i < m_dim * w->cols; ++i) ((uint8_t *)xq)[i] ^= 0x80;
+    return done;
 #else
     (void)w, (void)xq, (void)dx, (void)xsum, (void)bias, (void)y, (void)m_dim, (void)num_threads;
     return 0;
@@ -596,7 +594,7 @@ static void bf16_linear(const struct packed_weight *w, const float *x, const flo
 #endif
 
 int64_t packed_fused_rows(const struct packed_weight *w) {
-    if (ROW512 && rounds_activations(w) && w->cols % 64 == 0 && (w->kind == WK_Q4 || (VNNI512 && w->kind == WK_Q8)))
+    if (ROW512 && rounds_activations(w) && w->cols % 32 == 0 && (w->kind == WK_Q4 || (VNNI512 && w->kind == WK_Q8)))
         return INTEGER_ROWS;
     return fuses(w) || w->kind == WK_BF16 ? FUSED_ROWS : 0;
 }

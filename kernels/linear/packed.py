@@ -1,9 +1,9 @@
 """The packed method: W kept in its stored format (kernels/quant/weight.py) on the CPU.
 
 - up to PACKED_FEW_ROWS rows (decode, k + 1 verification, small decode batches), or as many
-  as the C kernel's fused path takes (BoundWeight.fused_rows: q4, and q8 on VNNI, batches up to 64 rows with
-  int8_activations on AVX-512): the C kernel reads the stored bytes once for all rows
-  (csrc/packed_linear.c);
+  as the C kernel's fused path takes (BoundWeight.fused_rows: with int8_activations on
+  AVX-512, q4 and, on VNNI, q8 take any batch, prefill included: csrc/tiled_batch512.c): the
+  C kernel reads the stored bytes once for all rows (csrc/packed_linear.c);
 - more rows (larger batches, prefill): tiles of W decoded to fp32 by the C kernel, each
   multiplied by the BLAS at its rate (at 32 rows, decoding a tile then MKL beat the C
   kernel's row loop by ~1.3x on a 3072 x 576 projection); a tile is at most TILE_ELEMENTS
@@ -57,7 +57,7 @@ class PackedLinear(LinearMethod):
         native = weight.device.type == "cpu" and backend(weight.device) == "cpu"
         self.bound = BoundWeight(weight, self.round_x) if native and packed_available() else None
         # Rows that go to the C kernel: the few-row bound, or more where its fused path takes a
-        # whole batch (q4 with int8_activations on AVX-512: csrc/packed_linear.c's INTEGER_ROWS).
+        # whole batch (q4 / q8 with int8_activations on AVX-512: csrc/packed_linear.c's INTEGER_ROWS).
         self.c_rows = max(PACKED_FEW_ROWS, self.bound.fused_rows) if self.bound is not None else 0
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ needs_c = pytest.mark.skipif(not packed_available(), reason="no C compiler: the 
 # Shape classes: SmolLM2's qkv (in 576) and down (in 1536), a K-quant width (in 512), odd rows.
 # 160 columns: an odd number of 32-blocks (the AVX-512 row kernels take blocks in pairs)
 SHAPES = [(40, 576), (24, 1536), (33, 512), (17, 160)]
-ROWS = [1, 3, 4, 5, 8, 9, 16, 17, 34, 64, 70]  # 9-64: q4's and q8's integer batch path on AVX-512
+ROWS = [1, 3, 4, 5, 8, 9, 16, 17, 34, 64, 70, 300]  # 9+: q4's and q8's integer batch path on AVX-512 (300: 2 chunks)
 
 
 def _gguf_blocks(type_name: str, rows: int, cols: int, seed: int) -> PackedWeight:
@@ -166,14 +166,15 @@ def test_both_gemm_forms_give_the_tiled_product(monkeypatch: pytest.MonkeyPatch,
 
 @needs_c
 def test_q4_and_q8_with_int8_activations_take_whole_batches_on_avx512() -> None:
-    """The C kernel says how many rows its fused path takes (asked once, at bind time): q8's
-    batch form needs VNNI (without it the 16-bit pair sums of x + 128 would saturate)."""
+    """The C kernel says how many rows its fused path takes (asked once, at bind time): on
+    AVX-512 the tiled integer path takes any batch, prefill included; q8's needs VNNI (without
+    it the 16-bit pair sums of x + 128 would saturate)."""
     q4, q8 = _formats(40, 576)["Q4_1"], _formats(40, 576)["Q8_0"]
-    avx512 = {"avx512f", "avx512bw"} <= cpu_flags()
-    assert BoundWeight(q4, True).fused_rows == (64 if avx512 else 8)
-    assert BoundWeight(q8, True).fused_rows == (64 if avx512 and "avx512_vnni" in cpu_flags() else 8)
+    avx512, every = {"avx512f", "avx512bw"} <= cpu_flags(), 1 << 40
+    assert BoundWeight(q4, True).fused_rows == (every if avx512 else 8)
+    assert BoundWeight(q8, True).fused_rows == (every if avx512 and "avx512_vnni" in cpu_flags() else 8)
     assert BoundWeight(q4, False).fused_rows == BoundWeight(q8, False).fused_rows == 8
-    assert PackedLinear(q4, int8_activations=True).c_rows == (64 if avx512 else PACKED_FEW_ROWS)
+    assert PackedLinear(q4, int8_activations=True).c_rows == (every if avx512 else PACKED_FEW_ROWS)
 
 
 def test_the_gemm_form_race_answers_per_bucket() -> None:
