@@ -313,23 +313,35 @@ static inline __m256i q4_block(const uint8_t *qb) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
 }
 
-/* Row n's scale (and, for q4, min) per block of 32, as fp32: per-block scalar work (fp16
- * conversions, group lookups) hoisted out of the block loop, vectorised where groups are 32. */
+/* 8 fp16 values from p as fp32; past `count` (< 8 at a row's end) zeros, never read. */
+static inline __m256 fp16x8(const uint16_t *p, int64_t count) {
+    if (count >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    uint16_t part[8] = {0};
+    memcpy(part, p, sizeof(uint16_t) * (size_t)count);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)part));
+}
+
+/* Row n's scale (and, for q4, min) per block of 32, as fp32 (scale and minimum hold blocks + 8
+ * floats): per-block scalar work (fp16 conversions, group lookups) out of the block loops,
+ * and no division where a group is one block (every row of a head pays it otherwise). */
 static void block_scales(const struct packed_weight *w, int64_t n, int q4, float *scale, float *minimum) {
     const int64_t cols = w->cols, blocks = cols / 32, groups = cols / w->group, per_group = w->group / 32;
     const uint16_t *s16 = (const uint16_t *)w->scales + n * groups;
     const float *s32 = (const float *)w->scales + n * groups;
     const uint16_t *m16 = w->mins ? (const uint16_t *)w->mins + n * groups : 0;
-    int64_t b = 0;
-    if (q4 && per_group == 1)
-        for (; b + 8 <= blocks; b += 8) {
-            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s16 + b)));
+    if (per_group == 1 && !q4) {
+        memcpy(scale, s32, sizeof(float) * (size_t)blocks);
+        return;
+    }
+    if (per_group == 1) {
+        for (int64_t b = 0; b < blocks; b += 8) {
+            const __m256 sv = fp16x8(s16 + b, blocks - b);
             _mm256_storeu_ps(scale + b, sv);
-            const __m256 mv = m16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + b)))
-                                  : _mm256_mul_ps(sv, _mm256_set1_ps(-8.0f));
-            _mm256_storeu_ps(minimum + b, mv);
+            _mm256_storeu_ps(minimum + b, m16 ? fp16x8(m16 + b, blocks - b) : _mm256_mul_ps(sv, _mm256_set1_ps(-8.0f)));
         }
-    for (; b < blocks; ++b) {
+        return;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
         const int64_t g = b / per_group;
         scale[b] = q4 ? fp16_to_f32(s16[g]) : s32[g];
         if (q4) minimum[b] = m16 ? fp16_to_f32(m16[g]) : -8.0f * scale[b];
