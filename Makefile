@@ -24,12 +24,18 @@ env: $(BIN)/.ready
 lint: env
 	$(BIN)/ruff check .
 
+# Two pytest-xdist workers by default (one per core of the 2-core machines the suite is sized
+# for); the Ray modules share one worker and one Ray instance (tests/conftest.py).
+# `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: env lint chromium
-	$(BIN)/pytest -q --durations=15 tests
+	$(BIN)/pytest -q --durations=15 $(PYTEST_PARALLEL) tests
 
 # The inner loop: unit tests only (no Ray, no real model); `make test` runs everything.
 test-quick: env lint
-	$(BIN)/pytest -q --durations=10 -m "not slow and not heavy" tests
+	$(BIN)/pytest -q --durations=10 $(PYTEST_PARALLEL) -m "not slow and not heavy" tests
 
 # The chat-page test drives Debian's headless Chromium (Playwright's own browsers are not used).
 chromium:

@@ -8,7 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (`make test` runs two workers on two cores) each worker, and the Ray
+# workers and servers it starts, computes on one thread: two OpenMP teams spinning on two
+# cores would stall each other. Set before torch is imported, as OpenMP reads it once.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run interpreted here; must precede their import
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -92,3 +99,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ray_modules[item.path] = bool(USES_RAY.search(item.path.read_text()))
         if ray_modules[item.path] or HEAVY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.heavy)
+        # xdist (--dist loadgroup): every Ray module on one worker, so one Ray instance serves
+        # them all; any other module whole on one worker, so its module fixtures are built once.
+        group = "ray" if ray_modules[item.path] or "ray_cluster" in item.fixturenames else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
