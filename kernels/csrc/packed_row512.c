@@ -23,6 +23,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ROW512 1
+#define ROW_PREFETCH 8 /* rows */
 
 /* A block's 32 codes as two 16-lane float vectors, in element order (low nibbles hold
  * elements 0-15, high ones 16-31). */
@@ -72,6 +73,10 @@ static inline __m512i dot_pair512(__m512i w_unsigned, __m512i x_signed) {
 static float integer_row512(const struct packed_weight *w, int64_t n, const int8_t *xq, const float *dx,
                             const float *xsum) {
     const int64_t cols = w->cols, blocks = cols / 32;
+    /* rows ahead (a prefetch never faults past the end): each matrix of a decode step is a
+     * short stream, which the hardware prefetchers pick up late */
+    for (int64_t line = 0; line < cols / 2; line += 64)
+        _mm_prefetch((const char *)w->data + (n + ROW_PREFETCH) * (cols / 2) + line, _MM_HINT_T0);
     float scale[blocks + 8], minimum[blocks + 8], both[blocks + 1];
     block_scales(w, n, 1, scale, minimum);
     for (int64_t b = 0; b < blocks; ++b) both[b] = scale[b] * dx[b];
