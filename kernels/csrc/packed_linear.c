@@ -425,11 +425,10 @@ static int integer_batch(const struct packed_weight *w, int8_t *xq, const float 
 #if ROW512
     const int q8 = w->kind == WK_Q8;
     if (q8 && !VNNI512) return 0;
-    /* q8: x + 128 as unsigned bytes, VNNI's first operand (tile_dots); undone if not taken */
-    for (int64_t i = 0; q8 && i < m_dim * w->cols; ++i) ((uint8_t *)xq)[i] ^= 0x80;
+    if (q8) flip_sign_bits(xq, m_dim * w->cols); /* x + 128, VNNI's unsigned operand (tile_dots) */
     const struct int8_rows x = {xq, dx, xsum, w->cols};
     const int done = tiled_batch512(w, &x, m_dim, bias, y, num_threads);
-    for (int64_t i = 0; q8 && !done && i < m_dim * w->cols; ++i) ((uint8_t *)xq)[i] ^= 0x80;
+    if (q8 && !done) flip_sign_bits(xq, m_dim * w->cols); /* x again, for the fallback */
     return done;
 #else
     (void)w, (void)xq, (void)dx, (void)xsum, (void)bias, (void)y, (void)m_dim, (void)num_threads;
@@ -617,7 +616,7 @@ static void bf16_linear(const struct packed_weight *w, const float *x, const flo
 #endif
 
 int64_t packed_fused_rows(const struct packed_weight *w) {
-    if (ROW512 && rounds_activations(w) && w->cols % 32 == 0 && (w->kind == WK_Q4 || (VNNI512 && w->kind == WK_Q8)))
+    if (ROW512 && rounds_activations(w) && (w->kind == WK_Q4 || (VNNI512 && w->kind == WK_Q8)))
         return INTEGER_ROWS;
     return fuses(w) || w->kind == WK_BF16 ? FUSED_ROWS : 0;
 }

@@ -99,6 +99,11 @@ static void build_tile(const struct packed_weight *w, int64_t first, int64_t val
     }
 }
 
+/* int8 codes to codes + 128 as unsigned bytes, and back: the same flip of the top bit. */
+static void flip_sign_bits(int8_t *codes, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) ((uint8_t *)codes)[i] ^= 0x80;
+}
+
 /* sum += the 4-products of unsigned a and signed b in each lane (no saturation here: q4's codes
  * are <= 15, and q8 takes this path on VNNI hosts only). */
 static inline __m512i dot_add512(__m512i sum, __m512i a_unsigned, __m512i b_signed) {

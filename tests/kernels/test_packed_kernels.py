@@ -31,7 +31,7 @@ needs_c = pytest.mark.skipif(not packed_available(), reason="no C compiler: the 
 # Shape classes: SmolLM2's qkv (in 576) and down (in 1536), a K-quant width (in 512), odd rows.
 # 160 columns: an odd number of 32-blocks (the AVX-512 row kernels take blocks in pairs)
 SHAPES = [(40, 576), (24, 1536), (33, 512), (17, 160)]
-ROWS = [1, 3, 4, 5, 8, 9, 16, 17, 34, 64, 70, 300]  # 9+: q4's and q8's integer batch path on AVX-512 (300: 2 chunks)
+ROWS = [1, 3, 4, 5, 8, 9, 16, 17, 34, 64, 70, 300]  # 3+: q4's and q8's integer tiles on AVX-512 (300: 2 x chunks)
 
 
 def _gguf_blocks(type_name: str, rows: int, cols: int, seed: int) -> PackedWeight:
