@@ -87,9 +87,9 @@ class EngineConfig:
         "model",
         "CPU: the q4 / q8 kernels multiply x rounded to int8 per block of 32, as llama.cpp does (faster decode, a "
         "little perplexity; greedy tokens may vary with batch composition and prefix-cache hits). Unset: on where "
-        "the CPU has VNNI (AVX512-VNNI or AVX-VNNI) but no native bf16, the weights stay quantized and `dtype` is "
+        "the CPU has VNNI (AVX512-VNNI or AVX-VNNI) but no AMX, the weights stay quantized and `dtype` is "
         "`auto`; $CADENZA_CPU_AUTO_INT8_ACTIVATIONS (0 / 1) pins that choice",
-        default_text="VNNI, no bf16",
+        default_text="VNNI, no AMX",
     )
     cpu_gemm_dtype: str = setting(
         "auto",

@@ -30,6 +30,8 @@ CPU_AUTO_DTYPE_ENV = "CADENZA_CPU_AUTO_DTYPE"
 # CPU flags of int8 dot-product instructions (vpdpbusd), where int8_activations is the faster
 # decode within the q4 / q8 formats' quality bounds (resolve_int8_activations).
 VNNI_CPU_FLAGS = ("avx512_vnni", "avx_vnni")
+# CPU flags of the AMX tile units, where bf16 GEMMs keep int8_activations off by default.
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
 # Pins what an unset int8_activations means on the CPU ("0" / "1"), whatever each machine's CPU.
 CPU_AUTO_INT8_ENV = "CADENZA_CPU_AUTO_INT8_ACTIVATIONS"
 
@@ -73,15 +75,18 @@ def resolve_int8_activations(
     flags: frozenset[str] | None = None,
 ) -> bool:
     """int8_activations unset: on where the C kernels multiply int8 natively (VNNI) and the CPU
-    has no native bf16, the model's weights stay quantized, and dtype was left "auto" (an
-    explicit dtype asks for exact math). Measured with SmolLM2 Q4_1: on an Ice Lake Xeon
-    (VNNI, no bf16) single-stream decode 1.3x (94 against 73 tok/s), the 32-stream batch
-    unchanged; on a Zen 4 (VNNI and AVX512-BF16) decode 1.09x but the batch 0.76x, since the
-    rounding displaces nothing there and costs the bf16 GEMMs' path (docs/formats.md), so bf16
-    CPUs keep it off. Perplexity +0.3% against fp32, inside Q4_1's bound
-    (tests/models/test_formats_quality.py). $CADENZA_CPU_AUTO_INT8_ACTIVATIONS (0 / 1)
-    overrides the detection (the test suite sets 0: its greedy comparisons with transformers
-    are exact)."""
+    has no AMX, the model's weights stay quantized, and dtype was left "auto" (an explicit
+    dtype asks for exact math). Measured with SmolLM2 Q4_1 since the tiled integer batch path
+    (kernels/csrc/tiled_batch512.c), ../shared/peers run.sh on each host, in-process single /
+    TTFT-512 / 32-stream batch against the same host's default without it: an Ice Lake Xeon
+    (VNNI, no bf16) 94 against 73 tok/s decode before that path, which then put its batch and
+    TTFT ahead too (docs/formats.md); a Zen 4 (VNNI and AVX512-BF16, whose bf16 GEMMs the
+    rounding displaces) 136.8 against 111.0 tok/s, 351 against 519 ms, 437 against 321 tok/s.
+    AMX hosts keep it off: their bf16
+    GEMMs run on the tiles and were not measured against the integer path. Perplexity +0.3%
+    against fp32, inside Q4_1's bound (tests/models/test_formats_quality.py, fp32 and bf16
+    rows). $CADENZA_CPU_AUTO_INT8_ACTIVATIONS (0 / 1) overrides the detection (the test suite
+    sets 0: its greedy comparisons with transformers are exact)."""
     if int8_activations is not None:
         return int8_activations
     if device.startswith("cuda") or dtype != "auto" or quantization == "none":
@@ -91,7 +96,7 @@ def resolve_int8_activations(
             raise ValueError(f"{CPU_AUTO_INT8_ENV}={forced!r}: choose 0 or 1")
         return forced == "1"
     flags = cpu_flags() if flags is None else flags
-    return any(f in flags for f in VNNI_CPU_FLAGS) and not any(f in flags for f in BF16_CPU_FLAGS)
+    return any(f in flags for f in VNNI_CPU_FLAGS) and not any(f in flags for f in AMX_CPU_FLAGS)
 
 
 def resolve_cpu_gemm_dtype(cpu_gemm_dtype: str, resolved_dtype: str) -> str:

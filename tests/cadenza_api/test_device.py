@@ -80,13 +80,14 @@ def test_cpu_auto_dtype_follows_the_cpu_unless_the_environment_says(monkeypatch:
 def test_int8_activations_by_default_only_on_vnni_cpus_with_quantized_weights_and_auto_dtype(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Unset int8_activations: on where the CPU has VNNI but no native bf16, the weights stay
+    """Unset int8_activations: on where the CPU has VNNI but no AMX, the weights stay
     quantized and dtype was left "auto"; an explicit value always wins; the environment pins
     the CPU's answer."""
     vnni, avx512_vnni, plain = frozenset({"avx2", "avx_vnni"}), frozenset({"avx512_vnni"}), frozenset({"avx2"})
     assert resolve_int8_activations(None, "auto", None, "cpu", vnni)
-    assert not resolve_int8_activations(None, "auto", None, "cpu", avx512_vnni | {"avx512_bf16"})  # bf16 GEMMs
-    assert not resolve_int8_activations(None, "auto", None, "cpu", avx512_vnni | {"amx_bf16"})
+    assert resolve_int8_activations(None, "auto", None, "cpu", avx512_vnni | {"avx512_bf16"})  # Zen 4: faster
+    assert not resolve_int8_activations(None, "auto", None, "cpu", avx512_vnni | {"avx512_bf16", "amx_bf16"})
+    assert not resolve_int8_activations(None, "auto", None, "cpu", avx512_vnni | {"amx_tile"})  # AMX GEMMs
     assert resolve_int8_activations(None, "auto", "gguf", "cpu", avx512_vnni)
     assert not resolve_int8_activations(None, "auto", None, "cpu", plain)
     assert not resolve_int8_activations(None, "float32", None, "cpu", vnni)  # exact math asked for

@@ -30,9 +30,11 @@ FORMATS = {
     "int8": (dict(quantization="int8"), 0.01),
     "int4": (dict(quantization="int4"), 0.06),
     "gguf-q4_1": (dict(quantization="gguf"), 0.06),
-    # The CPU's q4 kernels with x rounded to int8 per block of 32 (int8_activations).
+    # The CPU's q4 kernels with x rounded to int8 per block of 32 (int8_activations): the
+    # default on VNNI CPUs without AMX, bf16 ones included (a GGUF computes the rest in fp32
+    # whatever dtype says, and the rounding displaces the bf16 GEMMs).
     "gguf-q4_1-a8": (dict(quantization="gguf", int8_activations=True), 0.06),
-    # The default on CPUs with native bf16: prefill and batch GEMMs in bf16 (cpu_gemm_dtype).
+    # The default on AMX CPUs: prefill and batch GEMMs in bf16 (cpu_gemm_dtype).
     "gguf-q4_1-bf16gemm": (dict(quantization="gguf", cpu_gemm_dtype="bfloat16"), 0.06),
 }
 # Bytes per weight each format should hold (model.weight_bytes() / weights), within 10%:
