@@ -82,11 +82,11 @@ def resolve_int8_activations(
     (VNNI, no bf16) 94 against 73 tok/s decode before that path, which then put its batch and
     TTFT ahead too (docs/formats.md); a Zen 4 (VNNI and AVX512-BF16, whose bf16 GEMMs the
     rounding displaces) 136.8 against 111.0 tok/s, 351 against 519 ms, 437 against 321 tok/s.
-    AMX hosts keep it off: their bf16
-    GEMMs run on the tiles and were not measured against the integer path. Perplexity +0.3%
-    against fp32, inside Q4_1's bound (tests/models/test_formats_quality.py, fp32 and bf16
-    rows). $CADENZA_CPU_AUTO_INT8_ACTIVATIONS (0 / 1) overrides the detection (the test suite
-    sets 0: its greedy comparisons with transformers are exact)."""
+    AMX hosts keep it off: their bf16 GEMMs run on the tiles and were not measured against the
+    integer path. Perplexity +0.1-0.4% against fp32, inside Q4_1's bound
+    (tests/models/test_formats_quality.py). $CADENZA_CPU_AUTO_INT8_ACTIVATIONS (0 / 1)
+    overrides the detection (the test suite sets 0: its greedy comparisons with transformers
+    are exact)."""
     if int8_activations is not None:
         return int8_activations
     if device.startswith("cuda") or dtype != "auto" or quantization == "none":
