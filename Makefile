@@ -25,10 +25,10 @@ lint: env
 	$(BIN)/ruff check .
 
 # Two pytest-xdist workers by default (one per core of the 2-core machines the suite is sized
-# for); the Ray modules share one worker and one Ray instance (tests/conftest.py).
-# `make test PYTEST_WORKERS=0` runs in one process.
+# for), each module whole on one worker and in its order (loadfile: module fixtures built once;
+# tests/test_xdist_dist.py checks it). `make test PYTEST_WORKERS=0` runs in one process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test: env lint chromium
 	$(BIN)/pytest -q --durations=15 $(PYTEST_PARALLEL) tests

@@ -99,7 +99,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ray_modules[item.path] = bool(USES_RAY.search(item.path.read_text()))
         if ray_modules[item.path] or HEAVY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.heavy)
-        # xdist (--dist loadgroup): every Ray module on one worker, so one Ray instance serves
-        # them all; any other module whole on one worker, so its module fixtures are built once.
-        group = "ray" if ray_modules[item.path] or "ray_cluster" in item.fixturenames else str(item.path)
-        item.add_marker(pytest.mark.xdist_group(group))
