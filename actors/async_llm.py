@@ -113,10 +113,13 @@ class AsyncLLM(StreamingClient):
         ray.kill(self.engine)
         self._dead = "the engine was shut down"
 
-    async def export_kv(self, token_ids: list[int], cache_salt: str | None = None) -> tuple[KVHandoff, list[Any]]:
-        """The cached blocks of token_ids' prefix, for another engine (actors/kv_connector/)."""
+    async def export_kv(
+        self, token_ids: list[int], cache_salt: str | None = None, skip: int = 0, wait_s: float = 0.0
+    ) -> tuple[KVHandoff, list[Any]]:
+        """The cached blocks of token_ids' prefix after the first `skip`, for another engine
+        (actors/kv_connector/); with wait_s, once a prefill step has cached one more."""
         self._check_alive()
-        return await self._call("export_kv", token_ids, cache_salt)
+        return await self._call("export_kv", token_ids, cache_salt, skip, wait_s)
 
     async def import_kv(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """Another engine's exported blocks into this engine's prefix cache."""

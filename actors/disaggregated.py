@@ -2,9 +2,11 @@
 own engine actor and workers) served as one EngineClient.
 
 A request is prefilled on the least-loaded prefill engine, which samples its first token (the
-client gets it at once); the prefill engine's cached blocks of the prompt then go to a decode
-engine through the KV connector (actors/kv_connector/: the hash chain, bytes in Ray's object
-store, blocks the decode engine already caches skipped), and the request resumes there after
+client gets it at once); the prefill engine's cached blocks of the prompt go to a decode engine
+through the KV connector (actors/kv_connector/: the hash chain, bytes in Ray's object store,
+blocks the decode engine already caches skipped) while the prompt is prefilled: after each
+prefill step the blocks it cached move, so a prompt of many chunks waits after its first token
+only for its last chunk's blocks. The request then resumes on the decode engine after
 its first token (EngineRequest.output_token_ids: max_tokens, penalties and seeded draws carry
 on as if it had never moved), computing only the prompt's last partial block and that token.
 A handoff that fails is a recompute on the decode engine, for that request alone, and so is a
@@ -33,7 +35,7 @@ import msgspec
 
 from cadenza.actors.async_llm import AsyncLLM
 from cadenza.actors.kv_connector.engine_port import prefix_hashes
-from cadenza.actors.kv_connector.handoff import move_kv
+from cadenza.actors.kv_connector.handoff import move_blocks
 from cadenza.actors.prompts import tokenize
 from cadenza.config import DEFAULT_MODEL
 from cadenza.engine_client import Prompt
@@ -50,6 +52,10 @@ MAX_HASHES_PER_ENGINE = 1 << 17
 # Prefix affinity yields to load: an engine holding the prefix is chosen unless it runs more
 # than this many requests beyond the least loaded.
 AFFINITY_SLACK = 4
+# The longest one export waits on the prefill engine for a prompt's next cached block. The
+# prefill's last step ends the wait of a prompt whose blocks all get cached; this bounds only
+# a run that cannot grow (its blocks evicted there): then the rest is recomputed.
+KV_STREAM_WAIT_S = 1.0
 
 
 class HashIndex:
@@ -144,6 +150,7 @@ class DisaggregatedLLM:
         """resume_from: outputs produced elsewhere (a re-issued response): the decode engine
         computes prompt and outputs and goes on after them."""
         params = sampling_params or SamplingParams()
+        mover: asyncio.Task[BaseException | None] | None = None
         text, ids = tokenize(self.tokenizer, prompt)
         self._ids += 1
         rid = request_id if request_id is not None else f"pd-{self._ids}"
@@ -163,15 +170,16 @@ class DisaggregatedLLM:
                 return
             first: list[int] = []
             handoff: tuple[float, float] | None = None
-            prefill = self._prefill_engine()
+            prefill, prefilled = self._prefill_engine(), asyncio.Event()
             try:
                 if prefill.dead:  # every prefill engine is gone: the decode engine computes it all
                     raise EngineDeadError("no prefill engine is serving")
+                mover = asyncio.create_task(self._move_prompt(prefill, ids, cache_salt, decode, prefilled))
                 async for out in self._prefill(prefill, rid, tokens, params, priority, cache_salt, first):
                     yield out
                     if out.finished:
                         return
-                handoff = await self._hand_over(prefill, ids, cache_salt, decode)
+                handoff = await self._hand_over(mover, prefilled)
             except (EngineDeadError, RequestFailedError) as e:  # the prefill engine died under it
                 self.transfer.num_prefill_failures += 1
                 log.warning("prefill engine lost (%s); the decode engine computes the prompt", e)
@@ -181,6 +189,8 @@ class DisaggregatedLLM:
                 yield out
         finally:
             self._legs.pop(rid, None)
+            if mover is not None:
+                mover.cancel()  # done, or the prefill failed or the client left: nothing to wait for
 
     def _prefill_engine(self) -> AsyncLLM:
         """The least-loaded prefill engine that is not known dead."""
@@ -227,15 +237,38 @@ class DisaggregatedLLM:
                 hashes = prefix_hashes(tokens["prompt_token_ids"], self.config.block_size, cache_salt)
                 self._held[self.decode.index(engine)].add(hashes)
 
-    async def _hand_over(
-        self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, decode: AsyncLLM
-    ) -> tuple[float, float]:
-        """The prompt's blocks from the prefill engine that computed them to `decode`; a
-        failure leaves the decode engine to recompute them. Returns its wall-clock window."""
-        start, wall = time.monotonic(), time.time()
+    async def _move_prompt(
+        self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, decode: AsyncLLM, prefilled: asyncio.Event
+    ) -> BaseException | None:
+        """The prompt's full blocks from the prefill engine to `decode`, in parts: each export
+        waits for a prefill step to cache more, so a prompt of many chunks moves while its later
+        chunks compute; once the first token has come (`prefilled`), one last part without a
+        wait. Returns what failed, if anything: the decode engine recomputes what did not come."""
+        total, sent = len(prefix_hashes(ids, self.config.block_size, cache_salt)), 0
         try:
-            await move_kv(prefill.export_kv(ids, cache_salt), decode.import_kv, self.transfer)
-        except Exception as e:  # the request goes on: the decode engine recomputes the prompt
+            while sent < total:
+                last = prefilled.is_set()
+                export = prefill.export_kv(ids, cache_salt, sent, 0.0 if last else KV_STREAM_WAIT_S)
+                moved = await move_blocks(export, decode.import_kv, self.transfer)
+                sent += moved
+                if sent < total:
+                    self.transfer.num_blocks_streamed += moved
+                if last:
+                    break
+        except Exception as e:  # returned: the caller counts it and goes on
+            return e
+        return None
+
+    async def _hand_over(
+        self, mover: asyncio.Task[BaseException | None], prefilled: asyncio.Event
+    ) -> tuple[float, float]:
+        """Wait for the prompt's last blocks (the first token has come); a failure leaves the
+        decode engine to recompute them. Returns the wall-clock window of the wait."""
+        start, wall = time.monotonic(), time.time()
+        prefilled.set()
+        if (e := await mover) is None:
+            self.transfer.num_handoffs += 1
+        else:
             self.transfer.num_fallbacks += 1
             log.warning("KV hand-over failed, recomputing on the decode engine: %s: %s", type(e).__name__, e)
         self.transfer.seconds += time.monotonic() - start

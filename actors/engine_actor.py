@@ -90,9 +90,9 @@ class EngineActor:
             raise
         if self.executor.num_blocks != self.core.num_blocks:  # on CUDA the workers sized the pool
             self._resize_pool(self.executor.num_blocks)
+        self.port = EnginePort(self.core.kv, self.executor)
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         self._loop_task.add_done_callback(self._on_loop_exit)
-        self.port = EnginePort(self.core.kv, self.executor)
         return self.core.max_model_len
 
     def _resize_pool(self, num_blocks: int) -> None:
@@ -118,9 +118,12 @@ class EngineActor:
         self._publish(self.core.abort(request_ids))
         self._has_work.set()  # so the workers hear of it and drop their copies
 
-    async def export_kv(self, token_ids: list[int], cache_salt: str | None) -> tuple[KVHandoff, list[ray.ObjectRef]]:
-        """The KV connector: the cached blocks of token_ids' prefix, for another engine."""
-        return await self.port.export(token_ids, cache_salt)
+    async def export_kv(
+        self, token_ids: list[int], cache_salt: str | None, skip: int = 0, wait_s: float = 0.0
+    ) -> tuple[KVHandoff, list[ray.ObjectRef]]:
+        """The KV connector: the cached blocks of token_ids' prefix after the first `skip`, for
+        another engine; with wait_s, once the prefill caching them has added one (EnginePort)."""
+        return await self.port.export(token_ids, cache_salt, skip, wait_s)
 
     async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[ray.ObjectRef]]:
         """The KV connector: every block session pins hold (and those of `also` still cached),
@@ -204,6 +207,7 @@ class EngineActor:
             return
         if timing is not None:
             self._timings.append(timing)
+        self.port.step_done()
         self._publish(outputs)
 
     def _go_fatal(self, reason: str) -> None:

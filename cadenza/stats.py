@@ -92,13 +92,18 @@ class EngineStats(msgspec.Struct):
 
 class KVTransferStats(msgspec.Struct):
     """Hand-overs since start: blocks written on decode engines, blocks they already held,
-    bytes written, seconds from export to import done, hand-overs that fell back to
+    bytes written, seconds the requests waited for them, hand-overs that fell back to
     recomputing the prompt on the decode engine, and requests whose prefill engine died."""
 
     num_handoffs: int = 0
     num_blocks_imported: int = 0
     num_blocks_skipped: int = 0
+    # Of the blocks exported, those that moved while their prompt's prefill still ran (a part
+    # that did not complete the prompt's cached run): the hand-over overlapped with compute.
+    num_blocks_streamed: int = 0
     num_bytes: int = 0
+    # Disaggregation: from the first token to the last block filed (what the decode leg waits
+    # for); Serve's pulls: the whole pull.
     seconds: float = 0.0
     num_fallbacks: int = 0
     num_prefill_failures: int = 0  # requests whose prefill engine died: computed on the decode engine

@@ -3,10 +3,16 @@ another engine's into this pool's prefix cache. Blocks move by the prefix cache'
 (kv_cache_manager.hash_block), so an import files each block where the scheduler's lookup for
 the same tokens (and cache salt) finds it: the request that follows computes only the rest.
 Exported blocks are held (a reference each) while their bytes are read, so no eviction can
-reuse them mid-read; imported ones are held while written, then filed as cached and free."""
+reuse them mid-read; imported ones are held while written, then filed as cached and free.
+
+An export may skip the run's first blocks (sent already) and wait for the run to grow: the
+scheduler caches a prompt's full blocks after every step, so a prompt prefilled in chunks is
+handed over chunk by chunk while the later chunks compute (actors/disaggregated.py)."""
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import suppress
 from typing import Any
 
 from cadenza.actors.block_pool import KVBlock
@@ -24,18 +30,37 @@ class EnginePort:
         self.kv, self.executor = kv, executor
         self.exported_blocks = self.imported_blocks = self.skipped_blocks = 0
         self.bytes_in = 0  # counted where written: an exporter's arrays may never be fetched
+        self._stepped = asyncio.Event()  # set (and replaced) after every step of the engine
 
-    async def export(self, token_ids: list[int], cache_salt: str | None) -> tuple[KVHandoff, list[Any]]:
-        """The leading run of token_ids' full blocks this pool caches, and their bytes (one
-        object-store reference per worker)."""
-        pool, size = self.kv.pool, self.kv.block_size
+    def step_done(self) -> None:
+        """The engine finished a step: it may have cached more of a prompt's blocks."""
+        self._stepped.set()
+        self._stepped = asyncio.Event()
+
+    async def export(
+        self, token_ids: list[int], cache_salt: str | None, skip: int = 0, wait_s: float = 0.0
+    ) -> tuple[KVHandoff, list[Any]]:
+        """The leading run of token_ids' full blocks this pool caches, after its first `skip`
+        blocks, and their bytes (one object-store reference per worker). With wait_s, first
+        wait (that long at most) until the run is longer than `skip`: the prompt's prefill is
+        still caching its blocks, step by step."""
+        hashes = prefix_hashes(token_ids, self.kv.block_size, cache_salt)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while len(run := self._cached_run(hashes)) <= skip < len(hashes):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._stepped.wait(), left)
+        return await self._export(run[skip:])
+
+    def _cached_run(self, hashes: list[bytes]) -> list[KVBlock]:
         blocks: list[KVBlock] = []
-        hashes = prefix_hashes(token_ids, size, cache_salt)
         for block_hash in hashes:
-            if (block := pool.lookup(block_hash)) is None:
+            if (block := self.kv.pool.lookup(block_hash)) is None:
                 break
             blocks.append(block)
-        return await self._export(blocks)
+        return blocks
 
     async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[Any]]:
         """Every block session pins hold, and those of the hashes `also` still cached (what

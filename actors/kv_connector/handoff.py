@@ -1,8 +1,9 @@
 """What crosses from a prefill engine to a decode engine: the hash chain of the blocks
 exported (the prefix cache's keys, so the importer can skip what it holds and file the rest
 where a lookup finds them) and their bytes, one object-store reference per worker
-(blocks.py's array), kept beside the Struct so Ray counts the references; and move_kv, the one
-export-then-import every hand-over runs."""
+(blocks.py's array), kept beside the Struct so Ray counts the references; and move_blocks, the
+one export-then-import every hand-over runs (disaggregation's in parts, as the prompt's chunks
+are cached; Serve's pulls whole, move_kv)."""
 
 from __future__ import annotations
 
@@ -27,19 +28,29 @@ class KVImport(msgspec.Struct, kw_only=True):
     num_bytes: int  # bytes written
 
 
-async def move_kv(
+async def move_blocks(
     export: Awaitable[tuple[KVHandoff, list[Any]]],
     import_kv: Callable[[KVHandoff, list[Any]], Awaitable[KVImport]],
     stats: KVTransferStats,
 ) -> int:
-    """One hand-over: what `export` yields filed by `import_kv` into the importer's prefix
-    cache, counted in `stats` (disaggregation's prefill-to-decode, Serve's replica-to-replica
-    pulls). Returns the blocks the exporter held."""
+    """What `export` yields filed by `import_kv` into the importer's prefix cache, counted in
+    `stats`. Returns the blocks the exporter held (one part of a hand-over)."""
     handoff, refs = await export
     if handoff.block_hashes:
         done = await import_kv(handoff, refs)
         stats.num_blocks_imported += done.num_imported
         stats.num_blocks_skipped += done.num_skipped
         stats.num_bytes += done.num_bytes
-    stats.num_handoffs += 1
     return len(handoff.block_hashes)
+
+
+async def move_kv(
+    export: Awaitable[tuple[KVHandoff, list[Any]]],
+    import_kv: Callable[[KVHandoff, list[Any]], Awaitable[KVImport]],
+    stats: KVTransferStats,
+) -> int:
+    """One hand-over in one part (Serve's replica-to-replica pulls): move_blocks, counted as
+    a hand-over."""
+    moved = await move_blocks(export, import_kv, stats)
+    stats.num_handoffs += 1
+    return moved

@@ -60,6 +60,8 @@ def test_1p2d_gives_the_colocated_tokens(engines) -> None:  # noqa: ANN001
     assert moved.num_handoffs == 6 and moved.num_fallbacks == 0
     # The first greedy run of each prompt moves its full blocks (2 + 6); the seeded rerun finds them held.
     assert moved.num_blocks_imported == 8 and moved.num_blocks_skipped == 8 and moved.num_bytes > 0
+    # The 3-chunk prompt's first chunk (3 blocks) moved while its other chunks were prefilled.
+    assert moved.num_blocks_streamed == 3
     assert [role for role, _ in stats.roles] == ["prefill", "decode", "decode"]
     decode = [s.engine for role, s in stats.roles if role == "decode"]
     assert sum(d.kv_cache.hits for d in decode) >= 8 * 16  # the imported blocks served the decode-side prompts
@@ -110,6 +112,18 @@ def test_a_failed_hand_over_recomputes_and_no_block_leaks(engines, monkeypatch: 
         assert engine.engine.num_running == engine.engine.num_waiting == 0
         # Free, or held for the first test's sessions (pins): no request holds any.
         assert engine.engine.kv_cache.num_free_blocks + engine.engine.num_pinned_blocks == NUM_BLOCKS
+
+
+@pytest.mark.slow
+def test_an_export_waiting_for_blocks_that_never_come_ends_at_its_bound(engines) -> None:  # noqa: ANN001
+    """The streamed hand-over's wait is bounded: a prompt nothing caches gives an empty part
+    once wait_s has passed (and at once without it), not a hang."""
+    _, split = engines
+    never = list(range(9000, 9040))  # 2 full blocks no engine has seen
+    handoff, refs = asyncio.run(split.prefill[0].export_kv(never, None, 0, 0.2))
+    assert handoff.block_hashes == [] and refs == []
+    handoff, _ = asyncio.run(split.prefill[0].export_kv(never, None, 2, 30.0))  # nothing left to wait for
+    assert handoff.block_hashes == []
 
 
 def test_the_role_counts_are_checked() -> None:
