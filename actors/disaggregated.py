@@ -17,8 +17,10 @@ engines go on. The decode
 engine is the one already holding the conversation (session affinity), else the one holding
 most of the prompt's leading blocks (prefix affinity, weighed against load), else the least
 loaded.
-Speculation runs on the decode engines only. Requests that would gain nothing (n > 1, prompt
-logprobs, a one-token answer) run whole on a decode engine.
+Speculation runs on the decode engines only; with a draft model the prefill engines run the
+draft over the prompt as well (never proposing), because its KV shares the blocks and moves
+with them. Requests that would gain nothing (n > 1, prompt logprobs, a one-token answer) run
+whole on a decode engine.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from cadenza.engine_client import Prompt
 from cadenza.errors import EngineDeadError, RequestFailedError
 from cadenza.outputs import RequestOutput
 from cadenza.sampling_params import SamplingParams
+from cadenza.speculative_config import SpeculativeConfig
 from cadenza.stats import KVTransferStats, ServingStats
 
 log = logging.getLogger(__name__)
@@ -98,7 +101,8 @@ def _engine_lost(error: BaseException, engine: AsyncLLM) -> bool:
 class DisaggregatedLLM:
     """disaggregation: "NPMD". Engine arguments are AsyncLLM's, for every engine (the same
     model, block size, TP and PP on both sides, so blocks and shards match);
-    speculative_config applies to the decode engines only. Prefix caching is on (the hand-over
+    speculative_config applies to the decode engines (a draft model is loaded on the prefill
+    engines too, for its KV). Prefix caching is on (the hand-over
     is a prefix-cache import)."""
 
     def __init__(
@@ -113,7 +117,11 @@ class DisaggregatedLLM:
         num_prefill, num_decode = parse_disaggregation(disaggregation)
         if engine_args.get("enable_prefix_caching") is False:
             raise ValueError("disaggregation hands KV over through the prefix cache: leave prefix caching on")
-        prefill_args = {k: v for k, v in engine_args.items() if k != "speculative_config"}
+        spec = SpeculativeConfig.parse(engine_args.get("speculative_config"))
+        # A draft model's KV lives in the same blocks as the model's and moves with them, so
+        # prefill engines run the draft over the prompt too (the prefill leg asks for no drafts).
+        drafts = spec is not None and spec.method == "draft_model"
+        prefill_args = {k: v for k, v in engine_args.items() if drafts or k != "speculative_config"}
         self.prefill = [AsyncLLM(model, dtype, seed, ray_address, **prefill_args) for _ in range(num_prefill)]
         self.decode = [AsyncLLM(model, dtype, seed, ray_address, **engine_args) for _ in range(num_decode)]
         first = self.decode[0]
@@ -203,7 +211,9 @@ class DisaggregatedLLM:
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """The first token, sampled on the prefill engine (the least loaded); its artificial
         length stop is not the request's."""
-        one = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        one = msgspec.structs.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), num_speculative_tokens=0
+        )
         async for out in self._leg(engine, rid, "#p", tokens, one, priority, False, cache_salt, None):
             completion = out.outputs[0]
             first += completion.token_ids

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from cadenza.actors import codec
 from cadenza.actors.device_samples import PendingOutput, landed
+from cadenza.actors.draft_proposer import DraftModelProposer
 from cadenza.actors.heap_trim import trim_heap
-from cadenza.actors.kv_connector.blocks import gather_blocks, scatter_blocks
+from cadenza.actors.kv_connector.blocks import KVCaches, gather_blocks, scatter_blocks
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.runner_setup import build_runner, kv_pool_blocks
@@ -135,16 +136,31 @@ class Worker:
             return None  # only the driver's output is read
         return result
 
-    def read_kv(self, block_ids: list[int]) -> np.ndarray:
-        """These blocks' KV on this shard (the KV connector's export; kv_connector/blocks.py)."""
-        return gather_blocks(self.runner.kv_caches, block_ids)
+    def _kv_sets(self) -> list[KVCaches]:
+        """The caches a block's KV lives in on this shard: the model's and, on the driver, a
+        draft model's (it shares the block ids: every cached block holds both)."""
+        proposer = self.runner.proposer
+        draft = [proposer.kv_caches] if isinstance(proposer, DraftModelProposer) else []
+        return [self.runner.kv_caches, *draft]
 
-    def write_kv(self, block_ids: list[int], data: np.ndarray, positions: list[int]) -> int:
-        """Another engine's blocks `positions` of `data` (read_kv's array from the same shard
+    def read_kv(self, block_ids: list[int]) -> list[np.ndarray]:
+        """These blocks' KV on this shard, an array per cache set (the KV connector's export;
+        kv_connector/blocks.py)."""
+        return [gather_blocks(caches, block_ids) for caches in self._kv_sets()]
+
+    def write_kv(self, block_ids: list[int], data: list[np.ndarray], positions: list[int]) -> int:
+        """Another engine's blocks `positions` of `data` (read_kv's arrays from the same shard
         there) into block_ids here; returns the bytes written."""
-        part = data[:, :, positions]
-        scatter_blocks(self.runner.kv_caches, block_ids, part)
-        return part.nbytes
+        sets = self._kv_sets()
+        if len(data) != len(sets):
+            raise ValueError(
+                f"{len(data)} KV cache sets for this shard's {len(sets)}: a draft model's KV moves with the "
+                "blocks, so both engines need the same speculative method"
+            )
+        parts = [array[:, :, positions] for array in data]
+        for caches, part in zip(sets, parts, strict=True):
+            scatter_blocks(caches, block_ids, part)
+        return sum(part.nbytes for part in parts)
 
     def weight_bytes(self) -> int:
         """Bytes of this shard's weights as stored (what a decode step streams)."""

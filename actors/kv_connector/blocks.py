@@ -1,7 +1,8 @@
-"""A worker's KV blocks as one array and back: every layer of this stage, K and V, the given
-blocks, this rank's heads: [layers, 2, blocks, block_size, kv_heads, head_dim]. numpy, so Ray's
-object store holds it without pickling and a reader on the same node maps it without a copy
-(bf16 travels as its int16 bits: numpy has no bf16)."""
+"""A worker's KV blocks as one array per cache set (the model's; a draft model's beside it on
+the driver) and back: every layer of this stage, K and V, the given blocks, this rank's heads:
+[layers, 2, blocks, block_size, kv_heads, head_dim]. numpy, so Ray's object store keeps the
+arrays' bytes out of band (pickle 5 buffers) and a reader on the same node maps them without a
+copy (bf16 travels as its int16 bits: numpy has no bf16)."""
 
 from __future__ import annotations
 
