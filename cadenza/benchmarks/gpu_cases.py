@@ -46,6 +46,8 @@ class Plan:
     inter: int = 14336
     block_size: int = 16
     rows: tuple[int, ...] = (1, 256, 4096)  # tokens for the elementwise ops
+    handoff_blocks: tuple[int, ...] = (16, 512)  # KV blocks of one hand-over (disaggregation)
+    handoff_layers: int = 32
     decode: tuple[tuple[int, int], ...] = ()  # (batch, context)
     prefill: tuple[tuple[int, int, int], ...] = ()  # (requests, query tokens, context) each
     gemm_m: tuple[int, ...] = (1, 16, 64, 256)
@@ -68,6 +70,8 @@ def make_plan(tiny: bool, quick: bool) -> Plan:
             gemm_m=(3,),
             gemm_kn=128,
             group_sizes=(64,),
+            handoff_blocks=(5,),
+            handoff_layers=2,
         )
     batches, contexts = ((1, 32, 256), (128, 4096, 32768)) if quick else ((1, 8, 64, 256), (128, 1024, 8192, 32768))
     decode = tuple((b, c) for b in batches for c in contexts if b * c <= MAX_DECODE_TOKENS)
@@ -330,3 +334,55 @@ def _packed_cases(
             bytes=w.nbytes + m * (w.cols + w.rows) * x.element_size(),
             flops=2 * m * w.cols * w.rows,
         )
+
+
+def kv_handoff_cases(plan: Plan, dtype: torch.dtype, dev: torch.device) -> Iterator[Case]:
+    """The KV connector's hand-over of blocks between two engines' caches as a CUDA engine runs
+    it (actors/kv_connector/blocks.py): gathered to host numpy, scattered into the other cache
+    set. Timed against an on-device copy, what a device transport (NCCL, CUDA IPC) would
+    approach."""
+    for n in plan.handoff_blocks:
+        yield _kv_handoff_case(plan, n, dtype, dev)
+
+
+def _kv_handoff_case(plan: Plan, n: int, dtype: torch.dtype, dev: torch.device) -> Case:
+    from cadenza.actors.kv_connector.blocks import gather_blocks, scatter_blocks
+
+    shape = (2 * n + 1, plan.block_size, plan.kv_heads, plan.head_dim)
+    source = [(torch.randn(shape, device=dev, dtype=dtype), torch.randn(shape, device=dev, dtype=dtype))
+              for _ in range(plan.handoff_layers)]  # fmt: skip
+    target = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in source]
+    src = torch.randperm(shape[0], device=dev)[:n]
+    dst = torch.randperm(shape[0], device=dev)[:n]
+
+    def moved() -> None:
+        scatter_blocks(target, dst.tolist(), gather_blocks(source, src.tolist()))
+
+    def on_device() -> None:
+        for (sk, sv), (tk, tv) in zip(source, target, strict=True):
+            tk.index_copy_(0, dst, sk.index_select(0, src))
+            tv.index_copy_(0, dst, sv.index_select(0, src))
+
+    def blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.stack((k.index_select(0, ids), v.index_select(0, ids))) for k, v in caches])
+
+    def run() -> torch.Tensor:
+        moved()
+        return blocks(target, dst)
+
+    return Case(
+        kernel="kv_handoff",
+        shape={
+            "blocks": n,
+            "layers": plan.handoff_layers,
+            "kv_heads": plan.kv_heads,
+            "head_dim": plan.head_dim,
+            "block_size": plan.block_size,
+        },  # fmt: skip
+        run=run,
+        ref=lambda: blocks(source, src),
+        exact=None,
+        baseline=on_device,
+        bench=moved,
+        bytes=2 * plan.handoff_layers * src.numel() * source[0][0][0].numel() * source[0][0].element_size(),
+    )

@@ -30,7 +30,16 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from cadenza.benchmarks.gpu_cases import DTYPES, Case, Plan, attention_cases, elementwise_cases, gemm_cases, make_plan
+from cadenza.benchmarks.gpu_cases import (
+    DTYPES,
+    Case,
+    Plan,
+    attention_cases,
+    elementwise_cases,
+    gemm_cases,
+    kv_handoff_cases,
+    make_plan,
+)
 from cadenza.benchmarks.gpu_check_args import add_gpu_check_args
 from cadenza.benchmarks.gpu_model import copy_bandwidth_gb_s
 from cadenza.benchmarks.gpu_moe_cases import moe_cases
@@ -78,7 +87,7 @@ def run_checks(plan: Plan, dtypes: list[torch.dtype], dev: torch.device, budget_
     start, results = time.perf_counter(), []
     for dtype in dtypes:
         torch.manual_seed(0)
-        for family in (elementwise_cases, attention_cases, gemm_cases, moe_cases):
+        for family in (elementwise_cases, attention_cases, gemm_cases, moe_cases, kv_handoff_cases):
             results += _run_family(family(plan, dtype, dev), family.__name__, dtype, dev, start + budget_s, quick)
     failed = [r for r in results if r.get("passed") is False]
     skipped = [r for r in results if "skipped" in r]

@@ -25,6 +25,7 @@ KERNELS = {
     "w4a16_matmul",
     "gguf_matmul",
     "fused_moe",
+    "kv_handoff",  # not a kernel: the KV connector's hand-over of blocks, on the device's caches
 }
 
 
