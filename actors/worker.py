@@ -157,10 +157,8 @@ class Worker:
                 f"{len(data)} KV cache sets for this shard's {len(sets)}: a draft model's KV moves with the "
                 "blocks, so both engines need the same speculative method"
             )
-        parts = [array[:, :, positions] for array in data]
-        for caches, part in zip(sets, parts, strict=True):
-            scatter_blocks(caches, block_ids, part)
-        return sum(part.nbytes for part in parts)
+        pairs = zip(sets, data, strict=True)
+        return sum(scatter_blocks(caches, block_ids, array, positions) for caches, array in pairs)
 
     def weight_bytes(self) -> int:
         """Bytes of this shard's weights as stored (what a decode step streams)."""

@@ -356,7 +356,7 @@ def _kv_handoff_case(plan: Plan, n: int, dtype: torch.dtype, dev: torch.device) 
     dst = torch.randperm(shape[0], device=dev)[:n]
 
     def moved() -> None:
-        scatter_blocks(target, dst.tolist(), gather_blocks(source, src.tolist()))
+        scatter_blocks(target, dst.tolist(), gather_blocks(source, src.tolist()), list(range(n)))
 
     def on_device() -> None:
         for (sk, sv), (tk, tv) in zip(source, target, strict=True):

@@ -29,7 +29,7 @@ from cadenza.stats import KVTransferStats
 
 DRAFT_LAYERS = 8
 PROMPT_TOKENS = 2048
-REPS = 3
+REPS = 7
 
 
 async def ttft_s(engine: AsyncLLM, ids: list[int], salt: str) -> float:
@@ -79,6 +79,8 @@ async def measure() -> dict[str, Any]:
         "host": {"cpus": os.cpu_count(), "read_gbps": measure_read_gbps(), "gemm_gflops": measure_gemm_gflops()},
         "median_s": med,
         "bytes_per_block": {k: v // blocks for k, v in nbytes.items()},
+        "move_ms_per_block": {k: round(1000 * med["move_" + k] / blocks, 2) for k in ("plain", "draft")},
+        "prefill_ms_per_block": round(1000 * med["ttft_plain"] / blocks, 2),
         "draft_recompute_ms": round(recompute_ms, 1),
         "draft_move_ms": round(move_ms, 1),
         "recompute_over_move": round(recompute_ms / move_ms, 1) if move_ms > 0 else None,
