@@ -14,21 +14,16 @@ import torch
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 as its int16 bits: numpy has no bf16, and torch copies int16 rows faster."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def gather_blocks(caches: KVCaches, block_ids: list[int]) -> np.ndarray:
     """The blocks' K and V of every layer, copied once into one array (on a GPU: once on the
     device, then to host)."""
-    k0 = _bits(caches[0][0])
+    k0 = caches[0][0]
     index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
     out = torch.empty((len(caches), 2, len(block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
     for layer, (k, v) in enumerate(caches):
-        torch.index_select(_bits(k), 0, index, out=out[layer, 0])
-        torch.index_select(_bits(v), 0, index, out=out[layer, 1])
-    return out.cpu().numpy()
+        torch.index_select(k, 0, index, out=out[layer, 0])
+        torch.index_select(v, 0, index, out=out[layer, 1])
+    return (out.view(torch.int16) if out.dtype == torch.bfloat16 else out).cpu().numpy()
 
 
 def scatter_blocks(caches: KVCaches, block_ids: list[int], data: np.ndarray, positions: list[int]) -> int:
@@ -37,13 +32,14 @@ def scatter_blocks(caches: KVCaches, block_ids: list[int], data: np.ndarray, pos
     with warnings.catch_warnings():  # a store-mapped array is read-only; it is only read here
         warnings.simplefilter("ignore", UserWarning)
         values = torch.from_numpy(data)
-    k0 = _bits(caches[0][0])
-    if values.shape[0] != len(caches) or values.shape[3:] != k0.shape[1:] or values.dtype != k0.dtype:
+    dtype, device = caches[0][0].dtype, caches[0][0].device
+    values = values.view(dtype) if dtype == torch.bfloat16 and values.dtype == torch.int16 else values
+    if values.shape[0] != len(caches) or values.shape[3:] != caches[0][0].shape[1:] or values.dtype != dtype:
         raise ValueError(f"KV blocks of shape {tuple(values.shape)} ({values.dtype}) do not fit this worker's cache")
-    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    index = torch.tensor(block_ids, dtype=torch.long, device=device)
     picked = None if positions == list(range(values.shape[2])) else torch.tensor(positions, dtype=torch.long)
     for layer, (k, v) in enumerate(caches):
         for cache, part in ((k, values[layer, 0]), (v, values[layer, 1])):
             part = part if picked is None else part.index_select(0, picked)
-            _bits(cache).index_copy_(0, index, part.to(k0.device))
+            cache.index_copy_(0, index, part.to(device))
     return len(positions) * values[:, :, 0].numel() * values.element_size()
