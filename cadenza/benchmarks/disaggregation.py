@@ -44,9 +44,12 @@ def run_disaggregation_bench(args: argparse.Namespace, run_one: Any) -> dict[str
             one["kv_transfer"] = _stats(url, args.api_key).get("kv_transfer")
             result["modes"][mode.name] = one
     base, other = (result["modes"][m.name] for m in modes)
-    result["ratios_split_over_colocated"] = {
-        f"{k}_{q}": _ratio(other[k][q], base[k][q]) for k in ("ttft_ms", "itl_ms", "tpot_ms") for q in ("p50", "p99")
-    }
+    kinds = ("ttft_ms", "itl_ms", "tpot_ms")
+    ratios = {f"{k}_{q}": _ratio(other[k][q], base[k][q]) for k in kinds for q in ("p50", "p99")}
+    if base["by_prompt"] and other["by_prompt"]:  # the short chats apart: what long prefills disturb
+        short, short_base = other["by_prompt"]["short"], base["by_prompt"]["short"]
+        ratios |= {f"short_itl_ms_{q}": _ratio(short["itl_ms"][q], short_base["itl_ms"][q]) for q in ("p50", "p99")}
+    result["ratios_split_over_colocated"] = ratios
     return report(result, args.output)
 
 

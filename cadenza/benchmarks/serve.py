@@ -70,6 +70,12 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default=None, help="JSONL of {prompt, max_tokens} or plain text lines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--priority", type=int, default=None, help="sent with every request (lower runs first)")
+    p.add_argument(
+        "--long-prompt-words",
+        type=int,
+        default=500,
+        help="a mixed workload's prompts of at least this many words are summarized apart (by_prompt)",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the latency distributions here")
@@ -289,6 +295,25 @@ def summarize(args: argparse.Namespace, results: list[Result], elapsed: float) -
     }
 
 
+def by_prompt_length(workload: list[Sample], results: list[Result], long_words: int) -> dict[str, Any] | None:
+    """Latencies of the short and the long prompts apart (a mixed workload: the short chats'
+    inter-token latency is what long prefills disturb); None unless there are both."""
+    groups: dict[str, list[Result]] = {"short": [], "long": []}
+    for sample, result in zip(workload, results, strict=True):
+        if result.ok:
+            groups["long" if len(sample.prompt.split()) >= long_words else "short"].append(result)
+    if not all(groups.values()):
+        return None
+    summary: dict[str, Any] = {"long_prompt_words": long_words}
+    for name, done in groups.items():
+        summary[name] = {
+            "completed": len(done),
+            "ttft_ms": percentiles_ms([r.ttft for r in done if r.ttft is not None]),
+            "itl_ms": percentiles_ms([g for r in done for g in r.gaps]),
+        }
+    return summary
+
+
 def plot(path: str, results: list[Result], title: str) -> None:
     import matplotlib
 
@@ -325,6 +350,7 @@ def _one(args: argparse.Namespace) -> dict[str, Any]:
     workload = make_workload(args)
     results, elapsed, stats = asyncio.run(_run(args, workload))
     summary = summarize(args, results, elapsed)
+    summary["by_prompt"] = by_prompt_length(workload, results, args.long_prompt_words)
     summary["memory"], summary["memory_reason"] = memory_section(args.url, stats)
     if args.compare_offline:
         from cadenza.benchmarks.compare_offline import overhead, run_in_process

@@ -24,9 +24,15 @@ def test_the_bench_runs_both_servers_and_reports_ratios(
     )
     argv = ["bench", "serve", "--disaggregation", "1P1D", "--serve-args", serve_args, "--model", "tiny"]
     argv += ["--num-prompts", "6", "--input-words", "30:60", "--output-len", "4:8", "--concurrency", "2"]
+    argv += ["--long-prompt-words", "45"]  # both kinds in six prompts of 30-60 words (seed 0)
     assert main([*argv, "--output", str(tmp_path / "pd.json")]) == 0
     result = json.loads((tmp_path / "pd.json").read_text())
     colocated, split = result["modes"]["colocated"], result["modes"]["1P1D"]
     assert colocated["completed"] == split["completed"] == 6 and colocated["kv_transfer"] is None
     assert split["kv_transfer"]["num_handoffs"] == 6 and split["kv_transfer"]["num_blocks_imported"] > 0
     assert result["ratios_split_over_colocated"]["itl_ms_p50"] > 0
+    for mode in (colocated, split):  # the short and the long prompts apart
+        kinds = mode["by_prompt"]
+        assert kinds["short"]["completed"] + kinds["long"]["completed"] == 6 and kinds["long_prompt_words"] == 45
+        assert kinds["short"]["itl_ms"]["p99"] > 0 and kinds["long"]["ttft_ms"]["p50"] > 0
+    assert result["ratios_split_over_colocated"]["short_itl_ms_p99"] > 0
