@@ -17,6 +17,9 @@ engines go on. The decode
 engine is the one already holding the conversation (session affinity), else the one holding
 most of the prompt's leading blocks (prefix affinity, weighed against load), else the least
 loaded.
+A prompt of at most max_local_prefill_tokens is prefilled on its decode engine instead: a chat
+turn's prefill costs that engine about a step, where a prefill engine would queue it behind
+long prompts and then hand it over.
 Speculation runs on the decode engines only; with a draft model the prefill engines run the
 draft over the prompt as well (never proposing), because its KV shares the blocks and moves
 with them. Requests that would gain nothing (n > 1, prompt logprobs, a one-token answer) run
@@ -165,6 +168,7 @@ class DisaggregatedLLM:
         tokens = {"prompt_token_ids": ids, "prompt": text}
         decode = self._decode_for(session_id, prefix_hashes(ids, self.config.block_size, cache_salt))
         whole = params.n != 1 or params.prompt_logprobs is not None or params.max_tokens == 1
+        whole = whole or len(ids) <= self.config.max_local_prefill_tokens  # short: prefilled where it decodes
         self._legs[rid] = []
         try:
             if resume_from:
@@ -192,6 +196,8 @@ class DisaggregatedLLM:
                         return
                 handoff = await self._hand_over(mover, prefilled)
             except (EngineDeadError, RequestFailedError) as e:  # the prefill engine died under it
+                if mover is not None:
+                    mover.cancel()  # what it moved stays usable; the decode engine computes the rest
                 self.transfer.num_prefill_failures += 1
                 log.warning("prefill engine lost (%s); the decode engine computes the prompt", e)
             async for out in self._decode(decode, rid, tokens, params, priority, pace, cache_salt, session_id, first):

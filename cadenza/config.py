@@ -241,6 +241,12 @@ class EngineConfig:
         "`AsyncLLM` replaces a dead engine actor this many times; its requests in flight fail with the reason "
         "(0: a dead engine stays dead)",
     )
+    max_local_prefill_tokens: int = setting(
+        256,
+        "parallel",
+        "with `--disaggregation`: a prompt of at most this many tokens is prefilled on its decode engine (no "
+        "hand-over, no queue behind long prompts on a prefill engine); 0 sends every prompt to a prefill engine",
+    )
     use_compiled_graph: bool | None = setting(
         None,
         "parallel",
@@ -301,6 +307,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if self.max_engine_restarts < 0:
             raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
         if self.executor not in EXECUTORS:

@@ -7,6 +7,7 @@ them), a failed hand-over recomputes, and no engine leaks a block."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 
 import msgspec
@@ -16,7 +17,8 @@ from cadenza import AsyncLLM, DisaggregatedLLM, SamplingParams
 from cadenza.actors.disaggregated import parse_disaggregation
 
 NUM_BLOCKS = 128
-ENGINE = dict(num_blocks=NUM_BLOCKS, max_num_batched_tokens=48)  # a 100-token prompt takes 3 chunks
+# A 100-token prompt takes 3 chunks; every prompt goes to a prefill engine (except where a test says).
+ENGINE = dict(num_blocks=NUM_BLOCKS, max_num_batched_tokens=48, max_local_prefill_tokens=0)
 PROMPTS = [list(range(5, 45)), list(range(100, 200)), [7] * 12]  # 2.5 blocks, 6.25 blocks, < 1 block
 
 
@@ -91,6 +93,27 @@ def test_prefix_affinity_sends_a_shared_prefix_where_it_is_cached(engines) -> No
     (shared_engine,) = [i for i in range(2) if middle[i] > start[i]]  # all three on one engine
     (other_engine,) = [i for i in range(2) if end[i] > middle[i]]
     assert shared_engine != other_engine  # both idle: the new prefix took the other in turn
+
+
+@pytest.mark.slow
+def test_a_short_prompt_is_prefilled_where_it_decodes(engines, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """max_local_prefill_tokens: a prompt that short runs whole on its decode engine (no
+    hand-over, the prefill engine never sees it); a longer one still goes through a prefill
+    engine. Both give the colocated tokens."""
+    colocated, split = engines
+    monkeypatch.setattr(split, "config", dataclasses.replace(split.config, max_local_prefill_tokens=64))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def prefill_queries() -> int:
+        return asyncio.run(split.stats()).roles[0][1].engine.kv_cache.queries
+
+    before, handoffs = prefill_queries(), split.transfer.num_handoffs
+    short = list(range(400, 440))  # 40 tokens
+    assert asyncio.run(_run(split, short, greedy)) == asyncio.run(_run(colocated, short, greedy))
+    assert prefill_queries() == before and split.transfer.num_handoffs == handoffs
+    long = list(range(500, 580))  # 80 tokens
+    assert asyncio.run(_run(split, long, greedy)) == asyncio.run(_run(colocated, long, greedy))
+    assert prefill_queries() > before and split.transfer.num_handoffs == handoffs + 1
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ def test_the_bench_runs_both_servers_and_reports_ratios(
     model = build_tiny_chat_model(tmp_path / "tiny")
     serve_args = (
         f"{model} --served-model-name tiny --num-blocks 128 --ray-address {ray.get_runtime_context().gcs_address}"
+        " --max-local-prefill-tokens 0"  # every prompt handed over
     )
     argv = ["bench", "serve", "--disaggregation", "1P1D", "--serve-args", serve_args, "--model", "tiny"]
     argv += ["--num-prompts", "6", "--input-words", "30:60", "--output-len", "4:8", "--concurrency", "2"]

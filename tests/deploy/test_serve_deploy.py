@@ -281,7 +281,7 @@ def test_a_disaggregated_replica_serves_beside_the_others(two_replicas: str, tin
 
     from cadenza.gateway.serve_app import CadenzaDeployment
 
-    engine = {"num_blocks": 128}
+    engine = {"num_blocks": 128, "max_local_prefill_tokens": 0}  # the short prompt is handed over too
     app = CadenzaDeployment.options(name="CadenzaPD", num_replicas=1).bind(
         str(tiny_chat_model), "tiny", engine, {}, "1P1D"
     )

@@ -23,7 +23,9 @@ QUESTION = [{"role": "user", "content": "In two sentences, what is a paged KV ca
 
 @pytest.fixture(scope="module")
 def split(ray_cluster) -> Iterator[Server]:  # noqa: ANN001
-    args = ["--disaggregation", "1P1D", "--api-key", API_KEY, "--num-blocks", "256"]
+    # Every prompt through the prefill engine, so the hand-over runs (a chat turn this short
+    # would otherwise be prefilled on the decode engine: max_local_prefill_tokens).
+    args = ["--disaggregation", "1P1D", "--api-key", API_KEY, "--num-blocks", "256", "--max-local-prefill-tokens", "0"]
     with launch_server(args, "serve_disaggregated.log") as srv:
         yield srv
 
