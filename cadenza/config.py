@@ -242,11 +242,9 @@ class EngineConfig:
         "(0: a dead engine stays dead)",
     )
     max_local_prefill_tokens: int = setting(
-        256,
-        "parallel",
-        "with `--disaggregation`: a prompt of at most this many tokens is prefilled on its decode engine (no "
-        "hand-over, no queue behind long prompts on a prefill engine); 0 sends every prompt to a prefill engine",
-    )
+        256, "parallel", "with `--disaggregation`: a prompt of at most this many tokens is prefilled on its decode "
+        "engine (no hand-over, no queue behind long prompts on a prefill engine); 0: every prompt on a prefill engine"
+    )  # fmt: skip
     use_compiled_graph: bool | None = setting(
         None,
         "parallel",
