@@ -168,11 +168,11 @@ class DisaggregatedLLM:
         tokens = {"prompt_token_ids": ids, "prompt": text}
         decode = self._decode_for(session_id, prefix_hashes(ids, self.config.block_size, cache_salt))
         whole = params.n != 1 or params.prompt_logprobs is not None or params.max_tokens == 1
-        whole = whole or len(ids) <= self.config.max_local_prefill_tokens  # short: prefilled where it decodes
+        local = len(ids) <= self.config.max_local_prefill_tokens  # short: prefilled where it decodes
         self._legs[rid] = []
         try:
-            if resume_from:
-                legs = (decode, rid, tokens, params, priority, pace, cache_salt, session_id, list(resume_from))
+            if resume_from or (local and not whole):  # the decode engine computes the prompt
+                legs = (decode, rid, tokens, params, priority, pace, cache_salt, session_id, list(resume_from or []))
                 async for out in self._decode(*legs):
                     yield out
                 return

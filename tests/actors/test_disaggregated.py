@@ -193,14 +193,16 @@ def test_the_role_counts_are_checked() -> None:
 
 
 @pytest.mark.slow
-def test_a_dead_decode_engine_hands_its_request_to_the_other(engines) -> None:  # noqa: ANN001
+def test_a_dead_decode_engine_hands_its_request_to_the_other(engines, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """Kills the request's decode engine after ten tokens: the request resumes on the other
     decode engine after them, and the stream equals the colocated one. (400 tokens: the kill
     must land before the engine ends the request, though a loaded host may deliver the first
-    ten late.)"""
+    ten late.) The prompt is prefilled on its decode engine (max_local_prefill_tokens): a
+    handed-over request decodes through the same resuming leg."""
     import ray
 
     colocated, split = engines
+    monkeypatch.setattr(split, "config", dataclasses.replace(split.config, max_local_prefill_tokens=64))
     greedy = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     prompt = list(range(500, 540))
 
