@@ -187,8 +187,9 @@ class DisaggregatedLLM:
                 if prefill.dead:  # every prefill engine is gone: the decode engine computes it all
                     raise EngineDeadError("no prefill engine is serving")
                 mover = asyncio.create_task(self._move_prompt(prefill, ids, cache_salt, decode, prefilled))
-                # Its first export reaches the prefill engine before the request (Ray starts an
-                # actor's calls in order): it waits there and takes the first step's blocks.
+                # Sent before the request, its first export normally reaches the prefill engine
+                # first (Ray does not promise an async actor's order; with no argument pending it
+                # keeps it): it waits there and takes the first step's blocks.
                 await asyncio.sleep(0)
                 async for out in self._prefill(prefill, rid, tokens, params, priority, cache_salt, first):
                     yield out
