@@ -331,6 +331,19 @@ def _resume(url: str, rid: str, after: int) -> list[dict]:
             time.sleep(0.5)
 
 
+def _cut_and_resumed(url: str, body: dict, session: str) -> list[dict]:
+    """`body` streamed in the background from `session`'s replica, which is SIGKILLed after 12
+    events; then every event, resumed through the proxy from whichever replica answers."""
+    victim, stats = _stats(url, session)
+    streamed = {**body, "stream": True, "background": True}
+    with urllib.request.urlopen(_post(url, streamed, session), timeout=120) as r:
+        assert r.headers["x-cadenza-replica"] == victim  # the session's replica runs it
+        seen = _sse(r, limit=12)
+        os.kill(stats["gateway"]["gateway_pid"], signal.SIGKILL)
+    assert seen[-1]["type"] == "response.output_text.delta"  # cut mid-stream
+    return seen + _resume(url, seen[0]["response"]["id"], len(seen) - 1)
+
+
 @pytest.mark.slow
 def test_a_streamed_response_survives_the_sigkill_of_its_replica(two_replicas: str) -> None:
     """The replica running a streamed greedy response is SIGKILLed mid-stream: the client resumes
@@ -340,28 +353,24 @@ def test_a_streamed_response_survives_the_sigkill_of_its_replica(two_replicas: s
 
     from cadenza.gateway.shared_log import log_name
 
-    # As long as the tiny model's context allows: the kill must land before the response ends
-    # (a loaded host can let the replica finish it while the client reads its first events).
-    body = {"model": "tiny", "input": "tell me a long story", "max_output_tokens": 440, "temperature": 0}
+    body = {"model": "tiny", "input": "tell me a long story", "max_output_tokens": 300, "temperature": 0}
     with urllib.request.urlopen(_post(two_replicas, body, "reference"), timeout=120) as r:
         reference = json.loads(r.read())
     uncut = reference["output"][0]["content"][0]["text"]
-    victim, stats = _stats(two_replicas, "doomed")
-    streamed = {**body, "stream": True, "background": True}
-    with urllib.request.urlopen(_post(two_replicas, streamed, "doomed"), timeout=120) as r:
-        assert r.headers["x-cadenza-replica"] == victim  # the session's replica runs it
-        seen = _sse(r, limit=12)
-        os.kill(stats["gateway"]["gateway_pid"], signal.SIGKILL)
-    assert seen[-1]["type"] == "response.output_text.delta"  # cut mid-stream
-    rid = seen[0]["response"]["id"]
-    events = seen + _resume(two_replicas, rid, len(seen) - 1)
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-    assert events[-1]["type"] == reference_terminal(reference) and text == uncut
-    # The shared log says so: the response was re-issued, not merely replayed.
     name = log_name("cadenza", "tiny")
     (where,) = [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
-    assert ray.get(ray.get_actor(name, namespace=where).stats.remote())["reissued"] >= 1
+    log = ray.get_actor(name, namespace=where)
+    for attempt in range(3):
+        events = _cut_and_resumed(two_replicas, body, f"doomed-{attempt}")
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert events[-1]["type"] == reference_terminal(reference) and text == uncut
+        if ray.get(log.stats.remote())["reissued"] >= 1:
+            break
+        # The replica finished the response (a loaded host kept the client from its first
+        # events that long) and the log replayed it whole: right, but no re-issue. Again.
+    # The shared log says so: the response was re-issued, not merely replayed.
+    assert ray.get(log.stats.remote())["reissued"] >= 1
 
 
 def reference_terminal(response: dict) -> str:
