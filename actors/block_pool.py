@@ -18,6 +18,7 @@ the reusable blocks rather than waiting, cached for no one, while fresh ones are
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cadenza.stats import BlockPoolStats
@@ -103,6 +104,15 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
+
+    def cached_run(self, hashes: Sequence[bytes]) -> list[KVBlock]:
+        """The blocks of the longest leading run of `hashes` this pool caches."""
+        blocks: list[KVBlock] = []
+        for block_hash in hashes:
+            if (block := self.cached.get(block_hash)) is None:
+                break
+            blocks.append(block)
+        return blocks
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
         """Publish a full, computed block under its hash; a duplicate of a cached one stays private."""

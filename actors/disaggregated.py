@@ -166,7 +166,8 @@ class DisaggregatedLLM:
         self._ids += 1
         rid = request_id if request_id is not None else f"pd-{self._ids}"
         tokens = {"prompt_token_ids": ids, "prompt": text}
-        decode = self._decode_for(session_id, prefix_hashes(ids, self.config.block_size, cache_salt))
+        hashes = prefix_hashes(ids, self.config.block_size, cache_salt)
+        decode = self._decode_for(session_id, hashes)
         whole = params.n != 1 or params.prompt_logprobs is not None or params.max_tokens == 1
         local = len(ids) <= self.config.max_local_prefill_tokens  # short: prefilled where it decodes
         self._legs[rid] = []
@@ -186,7 +187,8 @@ class DisaggregatedLLM:
             try:
                 if prefill.dead:  # every prefill engine is gone: the decode engine computes it all
                     raise EngineDeadError("no prefill engine is serving")
-                mover = asyncio.create_task(self._move_prompt(prefill, ids, cache_salt, decode, prefilled))
+                move = self._move_prompt(prefill, ids, cache_salt, len(hashes), decode, prefilled)
+                mover = asyncio.create_task(move)
                 # Sent before the request, its first export normally reaches the prefill engine
                 # first (Ray does not promise an async actor's order; with no argument pending it
                 # keeps it): it waits there and takes the first step's blocks.
@@ -258,13 +260,15 @@ class DisaggregatedLLM:
                 self._held[self.decode.index(engine)].add(hashes)
 
     async def _move_prompt(
-        self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, decode: AsyncLLM, prefilled: asyncio.Event
-    ) -> BaseException | None:
+        self, prefill: AsyncLLM, ids: list[int], cache_salt: str | None, total: int, decode: AsyncLLM,
+        prefilled: asyncio.Event,
+    ) -> BaseException | None:  # fmt: skip
         """The prompt's full blocks from the prefill engine to `decode`, in parts: each export
         waits for a prefill step to cache more, so a prompt of many chunks moves while its later
         chunks compute; once the first token has come (`prefilled`), one last part without a
-        wait. Returns what failed, if anything: the decode engine recomputes what did not come."""
-        total, sent = len(prefix_hashes(ids, self.config.block_size, cache_salt)), 0
+        wait, until all `total` full blocks have gone. Returns what failed, if anything: the
+        decode engine recomputes what did not come."""
+        sent = 0
         try:
             while sent < total:
                 last = prefilled.is_set()

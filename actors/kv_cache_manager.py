@@ -109,13 +109,7 @@ class KVCacheManager:
         if not may_share or req.params.prompt_logprobs is not None:
             return []
         limit = (req.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in self.block_hashes(req)[:limit]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.pool.cached_run(self.block_hashes(req)[:limit])
 
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()) -> list[int] | None:
         """Blocks for `num_new_tokens` more tokens (after any cached blocks); None when they do not fit.

@@ -46,21 +46,13 @@ class EnginePort:
         still caching its blocks, step by step."""
         hashes = prefix_hashes(token_ids, self.kv.block_size, cache_salt)
         deadline = asyncio.get_running_loop().time() + wait_s
-        while len(run := self._cached_run(hashes)) <= skip < len(hashes):
+        while len(run := self.kv.pool.cached_run(hashes)) <= skip < len(hashes):
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 break
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._stepped.wait(), left)
         return await self._export(run[skip:])
-
-    def _cached_run(self, hashes: list[bytes]) -> list[KVBlock]:
-        blocks: list[KVBlock] = []
-        for block_hash in hashes:
-            if (block := self.kv.pool.lookup(block_hash)) is None:
-                break
-            blocks.append(block)
-        return blocks
 
     async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[Any]]:
         """Every block session pins hold, and those of the hashes `also` still cached (what
