@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import suppress
 from typing import Any
 
 import msgspec
@@ -114,12 +115,29 @@ class AsyncLLM(StreamingClient):
         self._dead = "the engine was shut down"
 
     async def export_kv(
-        self, token_ids: list[int], cache_salt: str | None = None, skip: int = 0, wait_s: float = 0.0
+        self,
+        token_ids: list[int],
+        cache_salt: str | None = None,
+        skip: int = 0,
+        wait_s: float = 0.0,
+        pull_node: str | None = None,
     ) -> tuple[KVHandoff, list[Any]]:
         """The cached blocks of token_ids' prefix after the first `skip`, for another engine
-        (actors/kv_connector/); with wait_s, once a prefill step has cached one more."""
+        (actors/kv_connector/; leased, for one on pull_node to copy out of this one's shared
+        caches: then release_kv when done); with wait_s, once a prefill step has cached one more."""
         self._check_alive()
-        return await self._call("export_kv", token_ids, cache_salt, skip, wait_s)
+        return await self._call("export_kv", token_ids, cache_salt, skip, wait_s, pull_node)
+
+    async def release_kv(self, lease: int) -> None:
+        """A pull of export_kv's leased blocks is over. Best effort: an engine that died took
+        its leases with it, and one that does not hear of it ends the lease at kv_lease_s."""
+        with suppress(EngineDeadError, ray.exceptions.RayError):
+            await self._call("release_kv", lease)
+
+    async def kv_node(self) -> str | None:
+        """The node where another engine can copy this one's blocks out of its shared caches."""
+        self._check_alive()
+        return await self._call("kv_node")
 
     async def import_kv(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """Another engine's exported blocks into this engine's prefix cache."""

@@ -121,6 +121,8 @@ class DisaggregatedLLM:
         if engine_args.get("enable_prefix_caching") is False:
             raise ValueError("disaggregation hands KV over through the prefix cache: leave prefix caching on")
         spec = SpeculativeConfig.parse(engine_args.get("speculative_config"))
+        if engine_args.get("kv_transport", "auto") == "auto":  # engines on one node share their caches
+            engine_args = {**engine_args, "kv_transport": "ipc"}
         # A draft model's KV lives in the same blocks as the model's and moves with them, so
         # prefill engines run the draft over the prompt too (the prefill leg asks for no drafts).
         drafts = spec is not None and spec.method == "draft_model"
@@ -137,6 +139,7 @@ class DisaggregatedLLM:
         self._legs: dict[str, list[tuple[AsyncLLM, str]]] = {}  # request id -> its legs
         # What each decode engine was last sent (block hashes): where a prompt's prefix likely is.
         self._held = [HashIndex() for _ in self.decode]
+        self._kv_nodes: dict[int, str | None] = {}  # id(decode engine) -> where it pulls (_kv_node)
         self._turn = 0
         self._ids = 0
 
@@ -270,10 +273,11 @@ class DisaggregatedLLM:
         decode engine recomputes what did not come."""
         sent = 0
         try:
+            node = await self._kv_node(decode)
             while sent < total:
                 last = prefilled.is_set()
-                export = prefill.export_kv(ids, cache_salt, sent, 0.0 if last else KV_STREAM_WAIT_S)
-                moved = await move_blocks(export, decode.import_kv, self.transfer)
+                export = prefill.export_kv(ids, cache_salt, sent, 0.0 if last else KV_STREAM_WAIT_S, node)
+                moved = await move_blocks(export, decode.import_kv, self.transfer, prefill.release_kv)
                 sent += moved
                 if sent < total:
                     self.transfer.num_blocks_streamed += moved
@@ -282,6 +286,13 @@ class DisaggregatedLLM:
         except Exception as e:  # returned: the caller counts it and goes on
             return e
         return None
+
+    async def _kv_node(self, decode: AsyncLLM) -> str | None:
+        """The node where `decode` copies blocks out of a prefill engine's shared caches (the
+        `ipc` transport), asked once per engine; None: they come through the object store."""
+        if id(decode) not in self._kv_nodes:
+            self._kv_nodes[id(decode)] = await decode.kv_node()
+        return self._kv_nodes[id(decode)]
 
     async def _hand_over(
         self, mover: asyncio.Task[BaseException | None], prefilled: asyncio.Event

@@ -90,7 +90,7 @@ class EngineActor:
             raise
         if self.executor.num_blocks != self.core.num_blocks:  # on CUDA the workers sized the pool
             self._resize_pool(self.executor.num_blocks)
-        self.port = EnginePort(self.core.kv, self.executor)
+        self.port = EnginePort(self.core.kv, self.executor, self.core.config.kv_lease_s)
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         self._loop_task.add_done_callback(self._on_loop_exit)
         return self.core.max_model_len
@@ -119,11 +119,25 @@ class EngineActor:
         self._has_work.set()  # so the workers hear of it and drop their copies
 
     async def export_kv(
-        self, token_ids: list[int], cache_salt: str | None, skip: int = 0, wait_s: float = 0.0
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        skip: int = 0,
+        wait_s: float = 0.0,
+        pull_node: str | None = None,
     ) -> tuple[KVHandoff, list[ray.ObjectRef]]:
         """The KV connector: the cached blocks of token_ids' prefix after the first `skip`, for
-        another engine; with wait_s, once the prefill caching them has added one (EnginePort)."""
-        return await self.port.export(token_ids, cache_salt, skip, wait_s)
+        another engine (leased, for one on pull_node to copy out); with wait_s, once the prefill
+        caching them has added one (EnginePort)."""
+        return await self.port.export(token_ids, cache_salt, skip, wait_s, pull_node)
+
+    async def release_kv(self, lease: int) -> None:
+        """The KV connector: a pull of leased blocks is over."""
+        self.port.release(lease)
+
+    async def kv_node(self) -> str | None:
+        """The node on which another engine can pull from this one's shared caches (or None)."""
+        return await self.port.node()
 
     async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[ray.ObjectRef]]:
         """The KV connector: every block session pins hold (and those of `also` still cached),
@@ -225,6 +239,7 @@ class EngineActor:
     async def _recover(self, error: str) -> None:
         log.error("%s; failing running requests and rebuilding the workers", error)
         await self.core.cancel_in_flight()  # planned on the lost KV: their outputs mean nothing now
+        self.port.drop_leases()
         # The KV is gone with the workers: no prefix-cache entry or block table survives it.
         self._publish(self.core.reset_after_worker_loss(error))
         self._restarts += 1

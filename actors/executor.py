@@ -28,6 +28,8 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cadenza.actors.kv_connector.handoff import KVPull
+from cadenza.actors.kv_connector.shared_cache import KVShare
 from cadenza.actors.step_errors import StepError, WorkerFailure  # noqa: F401 - raised here, caught there
 from cadenza.actors.worker import StageOutput, Worker
 from cadenza.config import EngineConfig
@@ -208,6 +210,20 @@ class RayExecutor:
             raise ValueError(f"{len(refs)} KV shards for {len(self.workers)} workers: TP and PP must match")
         calls = [w.write_kv.remote(block_ids, ref, positions) for w, ref in zip(self.workers, refs, strict=True)]
         return sum(await asyncio.gather(*calls))
+
+    async def kv_shares(self) -> list[list[KVShare]] | None:
+        """How a peer on the workers' node opens their caches (per worker, per cache set), or None."""
+        shares = await asyncio.gather(*[w.kv_shares.remote() for w in self.workers])
+        return None if None in shares else shares
+
+    async def pull_kv(self, block_ids: list[int], pull: KVPull, positions: list[int]) -> int:
+        """The import of the `ipc` transport: worker i copies blocks `positions` of the pull out of
+        the exporter's worker i's shared caches (the same shard)."""
+        if len(pull.shares) != len(self.workers):
+            raise ValueError(f"{len(pull.shares)} KV shards for {len(self.workers)} workers: TP and PP must match")
+        sources = [pull.block_ids[i] for i in positions]
+        pairs = zip(self.workers, pull.shares, strict=True)
+        return sum(await asyncio.gather(*[w.pull_kv.remote(block_ids, s, sources, pull.expires_at) for w, s in pairs]))
 
     def shutdown(self) -> None:
         # Kill first: a graph's teardown waits for every worker's loop, and a survivor may sit

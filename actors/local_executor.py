@@ -25,6 +25,8 @@ import ray
 
 from cadenza.actors.device_samples import PendingOutput
 from cadenza.actors.executor import WorkerFailure, classify_step_error
+from cadenza.actors.kv_connector.handoff import KVPull
+from cadenza.actors.kv_connector.shared_cache import KVShare
 from cadenza.actors.worker import Worker
 from cadenza.config import EngineConfig
 from cadenza.messages import ModelRunnerOutput, SchedulerOutput, WorkerSpec
@@ -92,6 +94,19 @@ class LocalExecutor:
         fresh, held by no request until they are filed."""
         data = await refs[0]
         return await asyncio.to_thread(self.worker.write_kv, block_ids, data, positions)
+
+    async def kv_shares(self) -> list[list[KVShare]] | None:
+        """How a peer on this node opens the worker's caches (per worker, per cache set), or None."""
+        shares = self.worker.kv_shares()
+        return None if shares is None else [shares]
+
+    async def pull_kv(self, block_ids: list[int], pull: KVPull, positions: list[int]) -> int:
+        """The import of the `ipc` transport: blocks `positions` of the pull copied out of the
+        exporter's shared caches, off the step thread as write_kv is."""
+        if len(pull.shares) != 1:
+            raise ValueError(f"{len(pull.shares)} KV shards for 1 worker: TP and PP must match")
+        sources = [pull.block_ids[i] for i in positions]
+        return await asyncio.to_thread(self.worker.pull_kv, block_ids, pull.shares[0], sources, pull.expires_at)
 
     def shutdown(self) -> None:
         self.worker = None  # the weights and KV go with the last reference

@@ -12,7 +12,9 @@ from cadenza.models.config import ModelConfig
 from cadenza.models.loader import load_model
 
 
-def build_proposer(config: EngineConfig, target: ModelConfig, max_model_len: int, num_blocks: int) -> Proposer | None:
+def build_proposer(
+    config: EngineConfig, target: ModelConfig, max_model_len: int, num_blocks: int, kv_share_node: str | None = None
+) -> Proposer | None:
     spec = config.speculative_config
     if spec is None:
         return None
@@ -24,7 +26,7 @@ def build_proposer(config: EngineConfig, target: ModelConfig, max_model_len: int
     if spec.draft_num_layers is not None:
         # A truncated copy: the first layers, then the model's own norm and head.
         draft.layers = nn.ModuleList(list(draft.layers)[: spec.draft_num_layers])
-    return DraftModelProposer(draft, num_blocks, config.block_size)
+    return DraftModelProposer(draft, num_blocks, config.block_size, kv_share_node)
 
 
 def _check_compatible(name: str, draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:

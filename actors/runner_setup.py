@@ -4,6 +4,8 @@ on CUDA, its decode graphs)."""
 
 from __future__ import annotations
 
+import ray
+
 from cadenza.actors.cuda_graphs import graph_settings
 from cadenza.actors.memory_profile import CudaProbe, MemoryProbe, kv_blocks_for_memory
 from cadenza.actors.model_runner import ModelRunner
@@ -42,7 +44,8 @@ def build_runner(
     model = loaded.model
     # The driver samples, so it verifies drafts and proposes the next ones (a draft model runs
     # whole beside the target's last stage, sharing its block tables).
-    proposer = build_proposer(config, loaded.config, loaded.max_model_len, num_blocks) if is_driver else None
+    share = kv_share_node(config)
+    proposer = build_proposer(config, loaded.config, loaded.max_model_len, num_blocks, share) if is_driver else None
     device = model.norm.device
     single_stage = model.is_first_stage and model.is_last_stage
     # Windowed and soft-capped attention runs a per-request torch path with host work in
@@ -53,4 +56,16 @@ def build_runner(
     return ModelRunner(
         model, num_blocks, config.block_size, eos, is_driver, proposer, lambda: loaded.tokenizer, graphs, link,
         samples_ahead=config.schedules_ahead, grammar_mask_timeout_s=config.grammar_mask_timeout_s,
+        kv_share_node=share,
     )  # fmt: skip
+
+
+def kv_share_node(config: EngineConfig) -> str | None:
+    """The Ray node this process is on when the engine's KV cache is to be shared with other
+    engines (kv_transport "ipc"), else None."""
+    return this_node() if config.kv_transport == "ipc" else None
+
+
+def this_node() -> str:
+    """The Ray node id of this process ("local" outside Ray)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"

@@ -24,9 +24,10 @@ from cadenza.actors.device_samples import PendingOutput, landed
 from cadenza.actors.draft_proposer import DraftModelProposer
 from cadenza.actors.heap_trim import trim_heap
 from cadenza.actors.kv_connector.blocks import KVCaches, gather_blocks, scatter_blocks
+from cadenza.actors.kv_connector.shared_cache import KVShare, PeerCaches, check_lease, pull_blocks
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
-from cadenza.actors.runner_setup import build_runner, kv_pool_blocks
+from cadenza.actors.runner_setup import build_runner, kv_pool_blocks, this_node
 from cadenza.actors.stage_link import StageLink
 from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, WorkerSpec
 from cadenza.models.loader import LoadedModel, load_model
@@ -61,6 +62,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self._loaded: LoadedModel | None = None
         self._kv_blocks, self._tp_rank = spec.num_blocks, 0
+        self._peers: PeerCaches | None = None  # other engines' shared KV caches, opened on a first pull
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -159,6 +161,25 @@ class Worker:
             )
         pairs = zip(sets, data, strict=True)
         return sum(scatter_blocks(caches, block_ids, array, positions) for caches, array in pairs)
+
+    def kv_shares(self) -> list[KVShare] | None:
+        """How a peer on this node opens this shard's cache sets (the `ipc` KV transport), or
+        None where they are private."""
+        shares = [getattr(caches, "share", None) for caches in self._kv_sets()]
+        return None if None in shares else shares
+
+    def pull_kv(self, block_ids: list[int], shares: list[KVShare], source_ids: list[int], expires_at: float) -> int:
+        """Another engine's blocks source_ids, copied straight out of its shared caches (the same
+        shard there) into block_ids here, inside its lease; returns the bytes."""
+        sets = self._kv_sets()
+        if len(shares) != len(sets):
+            raise ValueError(f"{len(shares)} shared KV cache sets for this shard's {len(sets)}: see write_kv")
+        if self._peers is None:
+            self._peers = PeerCaches(this_node())
+        pairs = zip(sets, shares, strict=True)
+        done = sum(pull_blocks(caches, block_ids, self._peers.tensor(share), source_ids) for caches, share in pairs)
+        check_lease(expires_at)
+        return done
 
     def weight_bytes(self) -> int:
         """Bytes of this shard's weights as stored (what a decode step streams)."""

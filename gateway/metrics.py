@@ -162,6 +162,7 @@ class _EngineCollector:
             (p + "kv_transfer_blocks_imported", "KV blocks imported from another engine.", moved.num_blocks_imported),
             (p + "kv_transfer_blocks_skipped", "KV blocks offered that it held.", moved.num_blocks_skipped),
             (p + "kv_transfer_blocks_streamed", "KV blocks moved during their prefill.", moved.num_blocks_streamed),
+            (p + "kv_transfer_blocks_pulled", "KV blocks copied from a shared cache.", moved.num_blocks_pulled),
             (p + "kv_transfer_bytes", "KV bytes imported from another engine.", moved.num_bytes),
             (p + "kv_transfer_seconds", "Time requests waited for KV hand-overs.", moved.seconds),
             (p + "kv_transfer_fallbacks", "Hand-overs or pulls that fell back to recomputing.", moved.num_fallbacks),

@@ -7,17 +7,24 @@ reuse them mid-read; imported ones are held while written, then filed as cached 
 
 An export may skip the run's first blocks (sent already) and wait for the run to grow: the
 scheduler caches a prompt's full blocks after every step, so a prompt prefilled in chunks is
-handed over chunk by chunk while the later chunks compute (actors/disaggregated.py)."""
+handed over chunk by chunk while the later chunks compute (actors/disaggregated.py).
+
+For an importer on this engine's node (`pull_node`), when both share their caches (the `ipc`
+transport, shared_cache.py), an export reads nothing: it leases the blocks (held until the
+mover releases them, or for lease_s at most) and names them; the importer's workers copy them
+straight out of this engine's caches."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from contextlib import suppress
 from typing import Any
 
 from cadenza.actors.block_pool import KVBlock
 from cadenza.actors.kv_cache_manager import KVCacheManager, extend_chain
-from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport
+from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport, KVPull
 
 
 def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
@@ -25,25 +32,65 @@ def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None)
     return extend_chain([], token_ids, block_size, cache_salt)
 
 
+def _hashes(blocks: list[KVBlock]) -> list[bytes]:
+    hashes = [b.block_hash for b in blocks]
+    assert all(h is not None for h in hashes), "exported a block the prefix cache does not name"
+    return hashes
+
+
 class EnginePort:
-    def __init__(self, kv: KVCacheManager, executor: Any) -> None:  # noqa: ANN401 - a WorkerExecutor with read_kv / write_kv
-        self.kv, self.executor = kv, executor
+    def __init__(self, kv: KVCacheManager, executor: Any, lease_s: float = 10.0) -> None:  # noqa: ANN401 - a WorkerExecutor with read_kv / write_kv
+        self.kv, self.executor, self.lease_s = kv, executor, lease_s
         self.exported_blocks = self.imported_blocks = self.skipped_blocks = 0
         self.bytes_in = 0  # counted where written: an exporter's arrays may never be fetched
         self._stepped = asyncio.Event()  # set (and replaced) after every step of the engine
+        self._leases: dict[int, tuple[list[KVBlock], float]] = {}  # lease -> blocks held, expires_at
+        self._lease_ids = itertools.count()
 
     def step_done(self) -> None:
         """The engine finished a step: it may have cached more of a prompt's blocks."""
         self._stepped.set()
         self._stepped = asyncio.Event()
+        self._expire_leases()
+
+    async def node(self) -> str | None:
+        """The node whose processes can open this engine's shared caches (every worker's), or
+        None where they are private or spread over nodes."""
+        shares = await self.executor.kv_shares()
+        nodes = {s.node_id for worker in shares or [] for s in worker}
+        return nodes.pop() if len(nodes) == 1 else None
+
+    def release(self, lease: int) -> None:
+        """A pull of leased blocks is over (copied or not): they may be evicted again."""
+        if (held := self._leases.pop(lease, None)) is not None:
+            self.kv.pool.release(held[0][::-1])
+        self._expire_leases()
+
+    def _expire_leases(self, now: float | None = None) -> None:
+        """Release the leases past their end (their mover is gone, or far too slow: its importer
+        discards a copy that ended after expires_at); with now=inf, all of them."""
+        now = time.monotonic() if now is None else now
+        for lease in [n for n, (_, end) in self._leases.items() if end <= now]:
+            self.kv.pool.release(self._leases.pop(lease)[0][::-1])
+
+    def drop_leases(self) -> None:
+        """The workers' KV is lost (they are being rebuilt): no lease holds a block any more. A
+        pull under way still copies consistent KV: a dead CPU worker's memfd lives while mapped."""
+        self._expire_leases(float("inf"))
 
     async def export(
-        self, token_ids: list[int], cache_salt: str | None, skip: int = 0, wait_s: float = 0.0
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        skip: int = 0,
+        wait_s: float = 0.0,
+        pull_node: str | None = None,
     ) -> tuple[KVHandoff, list[Any]]:
         """The leading run of token_ids' full blocks this pool caches, after its first `skip`
-        blocks, and their bytes (one object-store reference per worker). With wait_s, first
-        wait (that long at most) until the run is longer than `skip`: the prompt's prefill is
-        still caching its blocks, step by step."""
+        blocks, and their bytes (one object-store reference per worker), or for an importer on
+        pull_node that this engine shares its caches with, a lease on them (KVHandoff.pull).
+        With wait_s, first wait (that long at most) until the run is longer than `skip`: the
+        prompt's prefill is still caching its blocks, step by step."""
         hashes = prefix_hashes(token_ids, self.kv.block_size, cache_salt)
         deadline = asyncio.get_running_loop().time() + wait_s
         while len(run := self.kv.pool.cached_run(hashes)) <= skip < len(hashes):
@@ -52,7 +99,16 @@ class EnginePort:
                 break
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._stepped.wait(), left)
-        return await self._export(run[skip:])
+        return await self._export(run[skip:], pull_node)
+
+    def _lease(self, blocks: list[KVBlock], shares: list[list[Any]]) -> KVHandoff:
+        """The blocks held for a peer to copy out of this engine's shared caches."""
+        self.kv.pool.touch(blocks)
+        lease, expires_at = next(self._lease_ids), time.monotonic() + self.lease_s
+        self._leases[lease] = (blocks, expires_at)
+        self.exported_blocks += len(blocks)
+        pull = KVPull(lease=lease, block_ids=[b.block_id for b in blocks], shares=shares, expires_at=expires_at)
+        return KVHandoff(block_hashes=_hashes(blocks), block_size=self.kv.block_size, pull=pull)
 
     async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[Any]]:
         """Every block session pins hold, and those of the hashes `also` still cached (what
@@ -63,20 +119,22 @@ class EnginePort:
                 blocks.setdefault(block.block_id, block)
         return await self._export(list(blocks.values()))
 
-    async def _export(self, blocks: list[KVBlock]) -> tuple[KVHandoff, list[Any]]:
-        """Cached blocks' hashes and bytes, held while read so no eviction reuses them."""
+    async def _export(self, blocks: list[KVBlock], pull_node: str | None = None) -> tuple[KVHandoff, list[Any]]:
+        """Cached blocks' hashes and bytes, held while read so no eviction reuses them (or
+        leased, for a pull from pull_node)."""
         pool, size = self.kv.pool, self.kv.block_size
         if not blocks:
             return KVHandoff(block_hashes=[], block_size=size), []
+        if pull_node is not None and (shares := await self.executor.kv_shares()) is not None:
+            if all(s.node_id == pull_node for worker in shares for s in worker):
+                return self._lease(blocks, shares), []
         pool.touch(blocks)
         try:
             refs = await self.executor.read_kv([b.block_id for b in blocks])
         finally:
             pool.release(blocks[::-1])
         self.exported_blocks += len(blocks)
-        hashes = [b.block_hash for b in blocks]
-        assert all(h is not None for h in hashes), "exported a block the prefix cache does not name"
-        return KVHandoff(block_hashes=hashes, block_size=size), refs
+        return KVHandoff(block_hashes=_hashes(blocks), block_size=size), refs
 
     async def import_(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """File the handoff's blocks this pool lacks (those it holds are skipped), as far as
@@ -91,7 +149,9 @@ class EnginePort:
         blocks = pool.allocate(len(missing))
         try:
             num_bytes = 0
-            if blocks:
+            if blocks and handoff.pull is not None:
+                num_bytes = await self.executor.pull_kv([b.block_id for b in blocks], handoff.pull, missing)
+            elif blocks:
                 num_bytes = await self.executor.write_kv([b.block_id for b in blocks], refs, missing)
             for i, block in zip(missing, blocks, strict=True):
                 pool.cache(block, handoff.block_hashes[i])

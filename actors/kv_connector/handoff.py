@@ -12,12 +12,24 @@ from typing import Any
 
 import msgspec
 
+from cadenza.actors.kv_connector.shared_cache import KVShare
 from cadenza.stats import KVTransferStats
+
+
+class KVPull(msgspec.Struct, kw_only=True):
+    """Blocks an exporter holds for an importer on its node to copy out of its shared caches
+    (the `ipc` transport), until it is told the copy is done (`lease`) or expires_at."""
+
+    lease: int
+    block_ids: list[int]  # the exporter's blocks, in block_hashes' order
+    shares: list[list[KVShare]]  # per worker (the same order on both sides), per cache set
+    expires_at: float  # time.monotonic() on the node
 
 
 class KVHandoff(msgspec.Struct, kw_only=True):
     block_hashes: list[bytes]  # a prompt's leading run of cached blocks, or a drain's pinned ones
     block_size: int
+    pull: KVPull | None = None  # where the bytes are to be copied from; None: the refs beside it hold them
 
 
 class KVImport(msgspec.Struct, kw_only=True):
@@ -32,15 +44,22 @@ async def move_blocks(
     export: Awaitable[tuple[KVHandoff, list[Any]]],
     import_kv: Callable[[KVHandoff, list[Any]], Awaitable[KVImport]],
     stats: KVTransferStats,
+    release: Callable[[int], Awaitable[None]] | None = None,
 ) -> int:
     """What `export` yields filed by `import_kv` into the importer's prefix cache, counted in
-    `stats`. Returns the blocks the exporter held (one part of a hand-over)."""
+    `stats`; a pull's lease then ended by `release` (the exporter's), whatever the import did.
+    Returns the blocks the exporter held (one part of a hand-over)."""
     handoff, refs = await export
-    if handoff.block_hashes:
-        done = await import_kv(handoff, refs)
-        stats.num_blocks_imported += done.num_imported
-        stats.num_blocks_skipped += done.num_skipped
-        stats.num_bytes += done.num_bytes
+    try:
+        if handoff.block_hashes:
+            done = await import_kv(handoff, refs)
+            stats.num_blocks_imported += done.num_imported
+            stats.num_blocks_skipped += done.num_skipped
+            stats.num_bytes += done.num_bytes
+            stats.num_blocks_pulled += done.num_imported if handoff.pull is not None else 0
+    finally:
+        if handoff.pull is not None and release is not None:
+            await release(handoff.pull.lease)
     return len(handoff.block_hashes)
 
 

@@ -62,6 +62,7 @@ def test_1p2d_gives_the_colocated_tokens(engines) -> None:  # noqa: ANN001
     assert moved.num_handoffs == 6 and moved.num_fallbacks == 0
     # The first greedy run of each prompt moves its full blocks (2 + 6); the seeded rerun finds them held.
     assert moved.num_blocks_imported == 8 and moved.num_blocks_skipped == 8 and moved.num_bytes > 0
+    assert moved.num_blocks_pulled == 8  # one node: copied straight out of the prefill engine's cache (ipc)
     # The 3-chunk prompt's first chunk (3 blocks) moved while its other chunks were prefilled.
     assert moved.num_blocks_streamed == 3
     assert [role for role, _ in stats.roles] == ["prefill", "decode", "decode"]
@@ -138,12 +139,13 @@ def test_a_failed_hand_over_recomputes_and_no_block_leaks(engines, monkeypatch: 
 
 
 @pytest.mark.slow
-def test_a_draft_models_kv_moves_with_the_blocks(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("transport", ["ipc", "object_store"])
+def test_a_draft_models_kv_moves_with_the_blocks(ray_cluster, tmp_path_factory: pytest.TempPathFactory, transport: str) -> None:  # noqa: ANN001, E501
     """A draft model's KV shares the model's blocks, so it moves with them: the decode
-    engine's copy of a handed-over prompt holds the prefill engine's draft KV as well. (Before,
-    the draft read whatever those blocks held: with SmolLM2 drafting for itself, 15 of 118
-    drafts accepted after a hand-over against 37 of 37 colocated.) The prefill engine runs the
-    draft over the prompt and never proposes."""
+    engine's copy of a handed-over prompt holds the prefill engine's draft KV as well, through
+    either transport. (Before, the draft read whatever those blocks held: with SmolLM2 drafting
+    for itself, 15 of 118 drafts accepted after a hand-over against 37 of 37 colocated.) The
+    prefill engine runs the draft over the prompt and never proposes."""
     import numpy as np
     import ray
     from cadenza_testkit.tiny_models import build_tiny_chat_model
@@ -151,11 +153,13 @@ def test_a_draft_models_kv_moves_with_the_blocks(ray_cluster, tmp_path_factory: 
     path = str(build_tiny_chat_model(tmp_path_factory.mktemp("pd_draft")))
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
     colocated = AsyncLLM(path, speculative_config=spec, **ENGINE)
-    split = DisaggregatedLLM(path, "1P1D", speculative_config=spec, **ENGINE)
+    split = DisaggregatedLLM(path, "1P1D", speculative_config=spec, kv_transport=transport, **ENGINE)
     try:
         greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         prompt = PROMPTS[1]  # 6 full blocks over 3 prefill chunks
         assert asyncio.run(_run(split, prompt, greedy)) == asyncio.run(_run(colocated, prompt, greedy))
+        moved = split.transfer
+        assert moved.num_blocks_imported == 6 and moved.num_blocks_pulled == (6 if transport == "ipc" else 0)
         (sent, sent_refs), (held, held_refs) = (
             asyncio.run(e.export_kv(prompt)) for e in (*split.prefill, *split.decode)
         )
@@ -250,7 +254,7 @@ def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> 
 @pytest.mark.slow
 def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> None:  # noqa: ANN001
     """Each TP rank's shard of a block goes to the same rank on the other side (worker actors,
-    the object store between them)."""
+    each copying its shard straight out of the same rank's shared cache there)."""
     from cadenza_testkit.tiny_models import build_tiny_chat_model
 
     path = str(build_tiny_chat_model(tmp_path_factory.mktemp("pd_tp2")))
@@ -266,5 +270,6 @@ def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempP
         assert asyncio.run(_run(split, prompt, greedy)) == expected
         moved = asyncio.run(split.stats()).kv_transfer
         assert moved.num_blocks_imported == 4 and moved.num_fallbacks == 0  # 70 tokens: 4 full blocks
+        assert moved.num_blocks_pulled == 4
     finally:
         split.shutdown()

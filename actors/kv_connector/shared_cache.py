@@ -1,0 +1,156 @@
+"""KV caches that another engine on the same node reads in place: the `ipc` KV transport.
+
+A shared cache set is one allocation, [layers, 2, blocks, block_size, kv_heads, head_dim], whose
+per-layer K and V are views. A peer process opens it once (KVShare says how) and then copies
+the blocks it is handed straight out of it, one copy, while the exporting engine holds them
+(a lease, engine_port.py); the object store takes three (gather, put, scatter) and a round trip
+through shared memory. On the CPU the allocation is a memfd: no file exists to leak, the kernel
+frees it with the last process that maps it, and a peer opens it through /proc/<pid>/fd after
+checking the descriptor still names this memfd (a reused pid or fd is somebody else's). On
+CUDA it is one device buffer, opened by its CUDA IPC handle (same node; another GPU too where
+peer access is on)."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+import time
+import warnings
+from typing import Any
+
+import msgspec
+import torch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVShare(msgspec.Struct, frozen=True, kw_only=True):
+    """How a process on `node_id` opens one shared cache set."""
+
+    node_id: str  # the Ray node it lives on: it opens only there
+    pid: int  # the exporting process
+    name: str  # CPU: the memfd's name (random), checked before mapping; CUDA: a random tag
+    fd: int = -1  # CPU: the memfd in pid's descriptor table
+    shape: list[int]  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    dtype: str  # torch's name: "float32", "bfloat16", ...
+    cuda: list[Any] | None = None  # CUDA: storage._share_cuda_()'s fields (bytes, ints, a bool)
+
+
+class KVCacheSet(list):  # noqa: FURB189 - a plain list of (K, V) the model reads, plus how to share it
+    """A cache set's (K, V) per layer; `share` is set when a peer can open it (KVShare)."""
+
+    share: KVShare | None = None
+    base: torch.Tensor | None = None  # the one allocation every layer's K and V views
+
+
+class KVShareGone(RuntimeError):
+    """A share can no longer be opened (its process or node is not this one, or it is gone)."""
+
+
+class KVLeaseExpired(RuntimeError):
+    """A pull finished after the exporter's lease ran out: what it copied may be overwritten."""
+
+
+def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, node_id: str) -> KVCacheSet:
+    """Zeroed caches of shape [layers, 2, *block_shape] in one shareable allocation (on the
+    CPU resident only as blocks are first written, like kv_tensors.zeroed_kv_tensor)."""
+    name = f"cadenza-kv-{secrets.token_hex(8)}"
+    if device.type == "cuda":
+        base = torch.zeros(shape, dtype=dtype, device=device)
+        storage = base.untyped_storage()
+        fields = list(storage._share_cuda_())
+        fd = -1
+    else:
+        count = math.prod(shape)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)  # kept open: peers find it in /proc/<pid>/fd
+        os.ftruncate(fd, count * dtype.itemsize)
+        base = torch.frombuffer(mmap.mmap(fd, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
+        fields = None
+    caches = KVCacheSet((base[layer, 0], base[layer, 1]) for layer in range(shape[0]))
+    caches.share = KVShare(
+        node_id=node_id, pid=os.getpid(), name=name, fd=fd, shape=list(shape), dtype=str(dtype).removeprefix("torch."),
+        cuda=fields,
+    )  # fmt: skip
+    caches.base = base  # keeps the allocation (and on the CPU the memfd's mapping) alive
+    return caches
+
+
+def _open(share: KVShare, node_id: str) -> torch.Tensor:
+    if share.node_id != node_id:
+        raise KVShareGone(f"the KV share lives on node {share.node_id}, not this one ({node_id})")
+    dtype = getattr(torch, share.dtype)
+    if share.cuda is not None:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        device, handle, size, offset, counter, counter_offset, event, event_sync = share.cuda
+        stride = torch.empty(share.shape, device="meta").stride()
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(share.shape), stride, 0, torch.storage.TypedStorage, dtype, device, handle, size,
+            offset, False, counter, counter_offset, event, event_sync,
+        )  # fmt: skip
+    path = f"/proc/{share.pid}/fd/{share.fd}"
+    try:
+        if os.readlink(path) != f"/memfd:{share.name} (deleted)":
+            raise KVShareGone(f"{path} is no longer the KV share {share.name}")
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise KVShareGone(f"the KV share {share.name} is gone: {e}") from e
+    try:
+        count = math.prod(share.shape)
+        buf = mmap.mmap(fd, count * dtype.itemsize, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only: this side only copies out of it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype, count=count).view(share.shape)
+
+
+def _alive(share: KVShare) -> bool:
+    if share.cuda is not None:
+        return os.path.exists(f"/proc/{share.pid}")
+    try:
+        return os.readlink(f"/proc/{share.pid}/fd/{share.fd}") == f"/memfd:{share.name} (deleted)"
+    except OSError:
+        return False
+
+
+class PeerCaches:
+    """The shares this process has opened, by name; one whose process is gone is dropped (its
+    memory goes with the last mapping)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._open: dict[str, tuple[KVShare, torch.Tensor]] = {}
+
+    def tensor(self, share: KVShare) -> torch.Tensor:
+        for name, (known, _) in list(self._open.items()):
+            if name != share.name and not _alive(known):
+                del self._open[name]
+        if share.name not in self._open:
+            self._open[share.name] = (share, _open(share, self.node_id))
+        return self._open[share.name][1]
+
+
+def pull_blocks(caches: KVCaches, block_ids: list[int], source: torch.Tensor, source_ids: list[int]) -> int:
+    """Copy blocks source_ids of a peer's shared set (PeerCaches.tensor) into block_ids here,
+    layer by layer; returns the bytes."""
+    k0 = caches[0][0]
+    if source.shape[0] != len(caches) or source.shape[3:] != k0.shape[1:] or source.dtype != k0.dtype:
+        raise ValueError(f"a peer's KV of shape {tuple(source.shape)} ({source.dtype}) does not fit this cache")
+    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    picked = torch.tensor(source_ids, dtype=torch.long, device=source.device)
+    for layer, (k, v) in enumerate(caches):
+        k.index_copy_(0, index, source[layer, 0].index_select(0, picked).to(k.device))
+        v.index_copy_(0, index, source[layer, 1].index_select(0, picked).to(v.device))
+    if k0.device.type == "cuda":
+        torch.cuda.current_stream(k0.device).synchronize()  # the copy is done before the lease is checked
+    return 2 * len(caches) * len(block_ids) * k0[0].numel() * k0.element_size()
+
+
+def check_lease(expires_at: float) -> None:
+    """A pull's copy counts only if it ended inside the lease: the exporter releases the blocks
+    at expires_at (time.monotonic, one clock on a node), never before."""
+    if time.monotonic() >= expires_at:
+        raise KVLeaseExpired("the exporting engine's lease on the blocks ran out before the copy ended")
