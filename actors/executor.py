@@ -28,8 +28,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cadenza.actors.kv_connector.handoff import KVPull
-from cadenza.actors.kv_connector.shared_cache import KVShare
+from cadenza.actors.kv_connector.handoff import KVPull, KVShare
 from cadenza.actors.step_errors import StepError, WorkerFailure  # noqa: F401 - raised here, caught there
 from cadenza.actors.worker import StageOutput, Worker
 from cadenza.config import EngineConfig

@@ -25,8 +25,7 @@ import ray
 
 from cadenza.actors.device_samples import PendingOutput
 from cadenza.actors.executor import WorkerFailure, classify_step_error
-from cadenza.actors.kv_connector.handoff import KVPull
-from cadenza.actors.kv_connector.shared_cache import KVShare
+from cadenza.actors.kv_connector.handoff import KVPull, KVShare
 from cadenza.actors.worker import Worker
 from cadenza.config import EngineConfig
 from cadenza.messages import ModelRunnerOutput, SchedulerOutput, WorkerSpec

@@ -24,7 +24,8 @@ from cadenza.actors.device_samples import PendingOutput, landed
 from cadenza.actors.draft_proposer import DraftModelProposer
 from cadenza.actors.heap_trim import trim_heap
 from cadenza.actors.kv_connector.blocks import KVCaches, gather_blocks, scatter_blocks
-from cadenza.actors.kv_connector.shared_cache import KVShare, PeerCaches, check_lease, pull_blocks
+from cadenza.actors.kv_connector.handoff import KVShare
+from cadenza.actors.kv_connector.shared_cache import PeerCaches, check_lease, pull_blocks
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
 from cadenza.actors.runner_setup import build_runner, kv_pool_blocks, this_node

@@ -12,8 +12,19 @@ from typing import Any
 
 import msgspec
 
-from cadenza.actors.kv_connector.shared_cache import KVShare
 from cadenza.stats import KVTransferStats
+
+
+class KVShare(msgspec.Struct, frozen=True, kw_only=True):
+    """How a process on `node_id` opens one shared cache set."""
+
+    node_id: str  # the Ray node it lives on: it opens only there
+    pid: int  # the exporting process
+    name: str  # CPU: the memfd's name (random), checked before mapping; CUDA: a random tag
+    fd: int = -1  # CPU: the memfd in pid's descriptor table
+    shape: list[int]  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    dtype: str  # torch's name: "float32", "bfloat16", ...
+    cuda: list[Any] | None = None  # CUDA: the storage's IPC handle and its fields (bytes, ints, a bool)
 
 
 class KVPull(msgspec.Struct, kw_only=True):

@@ -18,24 +18,12 @@ import os
 import secrets
 import time
 import warnings
-from typing import Any
 
-import msgspec
 import torch
 
+from cadenza.actors.kv_connector.handoff import KVShare
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class KVShare(msgspec.Struct, frozen=True, kw_only=True):
-    """How a process on `node_id` opens one shared cache set."""
-
-    node_id: str  # the Ray node it lives on: it opens only there
-    pid: int  # the exporting process
-    name: str  # CPU: the memfd's name (random), checked before mapping; CUDA: a random tag
-    fd: int = -1  # CPU: the memfd in pid's descriptor table
-    shape: list[int]  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    dtype: str  # torch's name: "float32", "bfloat16", ...
-    cuda: list[Any] | None = None  # CUDA: storage._share_cuda_()'s fields (bytes, ints, a bool)
 
 
 class KVCacheSet(list):  # noqa: FURB189 - a plain list of (K, V) the model reads, plus how to share it
@@ -58,9 +46,11 @@ def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     CPU resident only as blocks are first written, like kv_tensors.zeroed_kv_tensor)."""
     name = f"cadenza-kv-{secrets.token_hex(8)}"
     if device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
         base = torch.zeros(shape, dtype=dtype, device=device)
-        storage = base.untyped_storage()
-        fields = list(storage._share_cuda_())
+        args = reduce_tensor(base)[1]  # rebuild_cuda_tensor's: the storage's IPC fields at 6-9 and 11-14
+        fields = [*args[6:10], *args[11:15]]
         fd = -1
     else:
         count = math.prod(shape)

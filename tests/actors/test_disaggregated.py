@@ -140,7 +140,11 @@ def test_a_failed_hand_over_recomputes_and_no_block_leaks(engines, monkeypatch: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["ipc", "object_store"])
-def test_a_draft_models_kv_moves_with_the_blocks(ray_cluster, tmp_path_factory: pytest.TempPathFactory, transport: str) -> None:  # noqa: ANN001, E501
+def test_a_draft_models_kv_moves_with_the_blocks(
+    ray_cluster,  # noqa: ANN001
+    tmp_path_factory: pytest.TempPathFactory,
+    transport: str,
+) -> None:
     """A draft model's KV shares the model's blocks, so it moves with them: the decode
     engine's copy of a handed-over prompt holds the prefill engine's draft KV as well, through
     either transport. (Before, the draft read whatever those blocks held: with SmolLM2 drafting

@@ -18,9 +18,9 @@ import torch
 from cadenza.actors.block_pool import BlockPool
 from cadenza.actors.kv_cache_manager import KVCacheManager
 from cadenza.actors.kv_connector.engine_port import EnginePort, prefix_hashes
+from cadenza.actors.kv_connector.handoff import KVShare
 from cadenza.actors.kv_connector.shared_cache import (
     KVLeaseExpired,
-    KVShare,
     KVShareGone,
     PeerCaches,
     allocate_shared,
@@ -59,7 +59,8 @@ def test_another_process_opens_the_share_and_reads_the_same_bytes() -> None:
     caches, share = _filled()
     child = """
 import sys, msgspec, torch
-from cadenza.actors.kv_connector.shared_cache import KVShare, PeerCaches
+from cadenza.actors.kv_connector.handoff import KVShare
+from cadenza.actors.kv_connector.shared_cache import PeerCaches
 share = msgspec.json.decode(sys.stdin.buffer.read(), type=KVShare)
 t = PeerCaches("node-a").tensor(share)
 print(float(t[:, :, 3].double().sum()), float(t[1, 1, 7].double().sum()))
