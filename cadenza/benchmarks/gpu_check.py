@@ -41,6 +41,7 @@ from cadenza.benchmarks.gpu_cases import (
     make_plan,
 )
 from cadenza.benchmarks.gpu_check_args import add_gpu_check_args
+from cadenza.benchmarks.gpu_ipc_case import kv_pull_cases
 from cadenza.benchmarks.gpu_model import copy_bandwidth_gb_s
 from cadenza.benchmarks.gpu_moe_cases import moe_cases
 
@@ -87,7 +88,7 @@ def run_checks(plan: Plan, dtypes: list[torch.dtype], dev: torch.device, budget_
     start, results = time.perf_counter(), []
     for dtype in dtypes:
         torch.manual_seed(0)
-        for family in (elementwise_cases, attention_cases, gemm_cases, moe_cases, kv_handoff_cases):
+        for family in (elementwise_cases, attention_cases, gemm_cases, moe_cases, kv_handoff_cases, kv_pull_cases):
             results += _run_family(family(plan, dtype, dev), family.__name__, dtype, dev, start + budget_s, quick)
     failed = [r for r in results if r.get("passed") is False]
     skipped = [r for r in results if "skipped" in r]

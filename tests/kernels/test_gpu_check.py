@@ -26,6 +26,7 @@ KERNELS = {
     "gguf_matmul",
     "fused_moe",
     "kv_handoff",  # not a kernel: the KV connector's hand-over of blocks, on the device's caches
+    "kv_pull",  # nor this: the ipc transport's copy out of another process's shared cache
 }
 
 

@@ -1,0 +1,95 @@
+"""gpu-check's case for the `ipc` KV transport (actors/kv_connector/shared_cache.py): another
+process allocates a shared cache set (a CUDA IPC handle on a GPU, a memfd on the CPU) and fills
+it; this process opens it and pulls blocks out of it, as a decode engine pulls a prefill
+engine's. Checked bit for bit against the same values made here (one seeded generator, one
+device); timed against the same copy between two caches of this process (what the transport
+can approach)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+
+from cadenza.actors.kv_connector.handoff import KVShare
+from cadenza.actors.kv_connector.shared_cache import PeerCaches, allocate_shared, pull_blocks
+from cadenza.benchmarks.gpu_cases import Case, Plan
+
+NODE = "gpu-check"  # both processes are on this machine
+SEED = 1234
+EXPORTER_START_S = 300  # spawning the exporter imports torch (and initialises CUDA)
+
+
+def kv_pull_cases(plan: Plan, dtype: torch.dtype, dev: torch.device) -> Iterator[Case]:
+    for n in plan.handoff_blocks:
+        yield _kv_pull_case(plan, n, dtype, dev)
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=dev).manual_seed(SEED)
+    return torch.randn(shape, generator=generator, device=dev).to(dtype)
+
+
+def _exporter(conn: Connection, shape: tuple[int, ...], dtype_name: str, device: str) -> None:
+    """The other process: a filled shared cache set, its KVShare sent (msgpack), kept until told."""
+    dev = torch.device(device)
+    caches = allocate_shared(shape, getattr(torch, dtype_name), dev, NODE)
+    caches.base.copy_(_values(shape, caches.base.dtype, dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    conn.send_bytes(msgspec.msgpack.encode(caches.share))
+    conn.recv_bytes()  # the importer is done with it
+
+
+def _open_exporter(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """The exporter's cache set as this process maps it; the exporter stops once it is freed."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_exporter, args=(theirs, shape, str(dtype).removeprefix("torch."), str(dev)), daemon=True)
+    proc.start()
+    if not ours.poll(EXPORTER_START_S):
+        proc.kill()
+        raise RuntimeError("the exporting process sent no KV share")
+    source = PeerCaches(NODE).tensor(msgspec.msgpack.decode(ours.recv_bytes(), type=KVShare))
+
+    def stop() -> None:
+        ours.send_bytes(b"done")
+        proc.join(30)
+
+    weakref.finalize(source, stop)
+    return source
+
+
+def _kv_pull_case(plan: Plan, n: int, dtype: torch.dtype, dev: torch.device) -> Case:
+    shape = (plan.handoff_layers, 2, 2 * n + 1, plan.block_size, plan.kv_heads, plan.head_dim)
+    source = _open_exporter(shape, dtype, dev)
+    local = _values(shape, dtype, dev)  # the same values, made here: the reference and the baseline's source
+    target = [(torch.zeros(shape[2:], dtype=dtype, device=dev), torch.zeros(shape[2:], dtype=dtype, device=dev))
+              for _ in range(shape[0])]  # fmt: skip
+    src = torch.randperm(shape[2], device=dev)[:n]
+    dst = torch.randperm(shape[2], device=dev)[:n]
+
+    def pulled() -> None:
+        pull_blocks(target, dst.tolist(), source, src.tolist())
+
+    def run() -> torch.Tensor:
+        pulled()
+        return torch.stack([torch.stack((k.index_select(0, dst), v.index_select(0, dst))) for k, v in target])
+
+    def in_process() -> None:
+        pull_blocks(target, dst.tolist(), local, src.tolist())
+
+    return Case(
+        kernel="kv_pull",
+        shape={"blocks": n, "layers": shape[0], "kv_heads": shape[4], "head_dim": shape[5], "block_size": shape[3]},
+        run=run,
+        ref=lambda: local[:, :, src],
+        exact=None,
+        baseline=in_process,
+        bench=pulled,
+        bytes=2 * shape[0] * n * local[0, 0, 0].numel() * local.element_size(),
+    )
