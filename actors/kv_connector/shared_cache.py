@@ -18,6 +18,7 @@ import os
 import secrets
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -64,6 +65,8 @@ def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
         cuda=fields,
     )  # fmt: skip
     caches.base = base  # keeps the allocation (and on the CPU the memfd's mapping) alive
+    if fd >= 0:  # the memfd goes with the caches (an engine rebuilding its worker in-process)
+        weakref.finalize(caches, os.close, fd)
     return caches
 
 

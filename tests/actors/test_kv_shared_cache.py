@@ -6,6 +6,7 @@ discarded; an exporter's leases hold their blocks until released or expired."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -87,10 +88,21 @@ def test_a_peer_forgets_a_share_whose_memfd_is_closed() -> None:
     peers = PeerCaches("node-a")
     first, share = _filled()
     peers.tensor(share)
-    os.close(share.fd)  # as if its process had exited
+    del first  # its memfd is closed, as if its process had exited
+    gc.collect()
     _, other = _filled()
     peers.tensor(other)
     assert list(peers._open) == [other.name]
+
+
+def test_a_dropped_cache_set_closes_its_memfd() -> None:
+    """An engine that rebuilds its worker in-process frees the old cache's memory."""
+    caches, share = _filled()
+    path = f"/proc/{os.getpid()}/fd/{share.fd}"
+    assert os.readlink(path) == f"/memfd:{share.name} (deleted)"
+    del caches
+    gc.collect()
+    assert not os.path.exists(path) or os.readlink(path) != f"/memfd:{share.name} (deleted)"
 
 
 def test_a_copy_that_ends_after_its_lease_is_refused() -> None:
