@@ -106,6 +106,8 @@ class EnginePort:
         self.kv.pool.touch(blocks)
         lease, expires_at = next(self._lease_ids), time.monotonic() + self.lease_s
         self._leases[lease] = (blocks, expires_at)
+        # Ends it even on an engine that steps no more (its mover gone: cancelled mid-export).
+        asyncio.get_running_loop().call_later(self.lease_s, self._expire_leases)
         self.exported_blocks += len(blocks)
         pull = KVPull(lease=lease, block_ids=[b.block_id for b in blocks], shares=shares, expires_at=expires_at)
         return KVHandoff(block_hashes=_hashes(blocks), block_size=self.kv.block_size, pull=pull)

@@ -150,6 +150,14 @@ def test_a_lease_nobody_releases_ends_on_its_own() -> None:
     port.step_done()  # leases are checked after every step
     assert port.kv.pool.num_free_blocks == 8
 
+    async def idle_engine() -> int:  # no step, no call: the lease's timer ends it
+        await port.export(prompt, None, pull_node="node-a")
+        held = port.kv.pool.num_free_blocks
+        await asyncio.sleep(0.2)
+        return held
+
+    assert asyncio.run(idle_engine()) == 5 and port.kv.pool.num_free_blocks == 8
+
 
 def test_an_importer_on_another_node_gets_the_bytes_instead() -> None:
     port, prompt = _port_with_cached_prompt(lease_s=60)
