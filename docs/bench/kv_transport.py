@@ -6,6 +6,7 @@ each transport has its own importer, and every rep a fresh cache salt, so every 
 written (none skipped). Prefilling the same blocks is the baseline a hand-over must beat.
 
     .venv/bin/python docs/bench/kv_transport.py > docs/bench/kv_transport_<host>.json
+    CADENZA_BENCH_COLD=1 .venv/bin/python docs/bench/kv_transport.py   # every block fresh
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from cadenza.stats import KVTransferStats
 
 PROMPT_TOKENS = 2048
 REPS = 7
+# The pools' blocks: with 256 (two prompts' worth), every block has been written and every
+# page of the exporter mapped by the importer after WARMUP reps: the counted reps measure the
+# steady state of a serving engine, whose blocks are reused (CADENZA_BENCH_COLD=1: 1024 blocks
+# and one warm-up rep, so every counted rep writes blocks never touched before).
+COLD = os.environ.get("CADENZA_BENCH_COLD") == "1"
+NUM_BLOCKS = 1024 if COLD else 256
+WARMUP = 1 if COLD else 3
 
 
 async def prefill_s(engine: AsyncLLM, ids: list[int], salt: str) -> float:
@@ -49,17 +57,17 @@ async def hand_over(
 
 
 async def measure() -> dict[str, Any]:
-    source, by_store, by_ipc = (AsyncLLM(DEFAULT_MODEL, num_blocks=1024, kv_transport="ipc") for _ in range(3))
+    source, by_store, by_ipc = (AsyncLLM(DEFAULT_MODEL, num_blocks=NUM_BLOCKS, kv_transport="ipc") for _ in range(3))
     node = await by_ipc.kv_node()
     ids = [(i * 7919) % 40000 + 100 for i in range(PROMPT_TOKENS)]
     rows: dict[str, list[float]] = {"prefill": [], "object_store": [], "ipc": []}
     moved: dict[str, KVTransferStats] = {}
-    for rep in range(REPS + 1):  # the first rep warms every path and is not counted
+    for rep in range(WARMUP + REPS):  # the warm-up reps are not counted
         salt = f"rep{rep}"
         prefill = await prefill_s(source, ids, salt)
         store_s, moved["object_store"] = await hand_over(source, by_store, ids, salt, None)
         ipc_s, moved["ipc"] = await hand_over(source, by_ipc, ids, salt, node)
-        if rep:
+        if rep >= WARMUP:
             for key, value in (("prefill", prefill), ("object_store", store_s), ("ipc", ipc_s)):
                 rows[key].append(value)
     for engine in (source, by_store, by_ipc):
@@ -71,6 +79,7 @@ async def measure() -> dict[str, Any]:
         "model": DEFAULT_MODEL,
         "prompt_tokens": PROMPT_TOKENS,
         "reps": REPS,
+        "pages": "first use: every block fresh" if COLD else "steady state: blocks and mappings reused",
         "host": {"cpus": os.cpu_count(), "read_gbps": measure_read_gbps(), "gemm_gflops": measure_gemm_gflops()},
         "median_s": med,
         "blocks": {k: [s.num_blocks_imported, s.num_blocks_pulled] for k, s in moved.items()},
