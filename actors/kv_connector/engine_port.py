@@ -24,7 +24,7 @@ from typing import Any
 
 from cadenza.actors.block_pool import KVBlock
 from cadenza.actors.kv_cache_manager import KVCacheManager, extend_chain
-from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport, KVPull
+from cadenza.actors.kv_connector.handoff import KVHandoff, KVImport, KVPull, KVShare
 
 
 def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
@@ -39,13 +39,16 @@ def _hashes(blocks: list[KVBlock]) -> list[bytes]:
 
 
 class EnginePort:
-    def __init__(self, kv: KVCacheManager, executor: Any, lease_s: float = 10.0) -> None:  # noqa: ANN401 - a WorkerExecutor with read_kv / write_kv
-        self.kv, self.executor, self.lease_s = kv, executor, lease_s
+    def __init__(self, kv: KVCacheManager, executor: Any, lease_s: float = 10.0, shared: bool = False) -> None:  # noqa: ANN401, E501 - a WorkerExecutor with read_kv / write_kv
+        # shared: the workers' caches are shareable (kv_transport "ipc"), so peers may pull.
+        self.kv, self.executor, self.lease_s, self.shared = kv, executor, lease_s, shared
         self.exported_blocks = self.imported_blocks = self.skipped_blocks = 0
         self.bytes_in = 0  # counted where written: an exporter's arrays may never be fetched
         self._stepped = asyncio.Event()  # set (and replaced) after every step of the engine
         self._leases: dict[int, tuple[list[KVBlock], float]] = {}  # lease -> blocks held, expires_at
         self._lease_ids = itertools.count()
+        self._known_shares: list[list[KVShare]] | None = None
+        self._workers_built = 0  # counts drop_leases: the workers' rebuilds
 
     def step_done(self) -> None:
         """The engine finished a step: it may have cached more of a prompt's blocks."""
@@ -56,8 +59,7 @@ class EnginePort:
     async def node(self) -> str | None:
         """The node whose processes can open this engine's shared caches (every worker's), or
         None where they are private or spread over nodes."""
-        shares = await self.executor.kv_shares()
-        nodes = {s.node_id for worker in shares or [] for s in worker}
+        nodes = {s.node_id for worker in await self._shares() or [] for s in worker}
         return nodes.pop() if len(nodes) == 1 else None
 
     def release(self, lease: int) -> None:
@@ -74,9 +76,23 @@ class EnginePort:
             self.kv.pool.release(self._leases.pop(lease)[0][::-1])
 
     def drop_leases(self) -> None:
-        """The workers' KV is lost (they are being rebuilt): no lease holds a block any more. A
-        pull under way still copies consistent KV: a dead CPU worker's memfd lives while mapped."""
+        """The workers' KV is lost (they are being rebuilt): no lease holds a block any more,
+        and the new workers' caches are shared anew. A pull under way still copies consistent
+        KV: a dead CPU worker's memfd lives while mapped."""
         self._expire_leases(float("inf"))
+        self._known_shares, self._workers_built = None, self._workers_built + 1
+
+    async def _shares(self) -> list[list[KVShare]] | None:
+        """The workers' shares, None where not shared. Asked until every worker answers, then
+        kept: they change only when the workers are rebuilt (an answer from the workers before
+        a rebuild is not kept)."""
+        if not self.shared or self._known_shares is not None:
+            return self._known_shares
+        built = self._workers_built
+        shares = await self.executor.kv_shares()
+        if shares and built == self._workers_built:
+            self._known_shares = shares
+        return shares
 
     async def export(
         self,
@@ -101,7 +117,7 @@ class EnginePort:
                 await asyncio.wait_for(self._stepped.wait(), left)
         return await self._export(run[skip:], pull_node)
 
-    def _lease(self, blocks: list[KVBlock], shares: list[list[Any]]) -> KVHandoff:
+    def _lease(self, blocks: list[KVBlock], shares: list[list[KVShare]]) -> KVHandoff:
         """The blocks held for a peer to copy out of this engine's shared caches."""
         self.kv.pool.touch(blocks)
         lease, expires_at = next(self._lease_ids), time.monotonic() + self.lease_s
@@ -127,7 +143,7 @@ class EnginePort:
         pool, size = self.kv.pool, self.kv.block_size
         if not blocks:
             return KVHandoff(block_hashes=[], block_size=size), []
-        if pull_node is not None and (shares := await self.executor.kv_shares()) is not None:
+        if pull_node is not None and (shares := await self._shares()) is not None:
             if all(s.node_id == pull_node for worker in shares for s in worker):
                 return self._lease(blocks, shares), []
         pool.touch(blocks)

@@ -258,22 +258,39 @@ def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> 
 @pytest.mark.slow
 def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> None:  # noqa: ANN001
     """Each TP rank's shard of a block goes to the same rank on the other side (worker actors,
-    each copying its shard straight out of the same rank's shared cache there)."""
+    each copying its shard straight out of the same rank's shared cache there). A prefill
+    worker killed: the request it was prefilling is computed on the decode engine, the prefill
+    engine rebuilds its workers, and the next hand-over pulls from the new workers' caches."""
+    import numpy as np
+    import ray
     from cadenza_testkit.tiny_models import build_tiny_chat_model
 
     path = str(build_tiny_chat_model(tmp_path_factory.mktemp("pd_tp2")))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompt = list(range(20, 90))
+    prompts = [list(range(20, 90)), list(range(120, 170)), list(range(220, 270))]  # 4, 3 and 3 full blocks
     single = AsyncLLM(path, **ENGINE)
     try:
-        expected = asyncio.run(_run(single, prompt, greedy))
+        expected = [asyncio.run(_run(single, prompt, greedy)) for prompt in prompts]
     finally:
         single.shutdown()
     split = DisaggregatedLLM(path, "1P1D", tensor_parallel_size=2, **ENGINE)
     try:
-        assert asyncio.run(_run(split, prompt, greedy)) == expected
-        moved = asyncio.run(split.stats()).kv_transfer
+        assert asyncio.run(_run(split, prompts[0], greedy)) == expected[0]
+        moved = split.transfer
         assert moved.num_blocks_imported == 4 and moved.num_fallbacks == 0  # 70 tokens: 4 full blocks
         assert moved.num_blocks_pulled == 4
+        ray.kill(ray.get(split.prefill[0].engine.workers.remote())[1])
+        assert asyncio.run(_run(split, prompts[1], greedy)) == expected[1]  # its prefill step finds the death
+        pulled, fallbacks = moved.num_blocks_pulled, moved.num_fallbacks
+        assert asyncio.run(_run(split, prompts[2], greedy)) == expected[2]
+        assert moved.num_blocks_pulled == pulled + 3 and moved.num_fallbacks == fallbacks
+        assert asyncio.run(split.stats()).roles[0][1].num_worker_restarts == 1
+        # Greedy tokens of a tiny random model barely hang on the KV: compare the bytes.
+        (sent, sent_refs), (held, held_refs) = (
+            asyncio.run(e.export_kv(prompts[2])) for e in (*split.prefill, *split.decode)
+        )
+        assert sent.block_hashes == held.block_hashes and len(sent.block_hashes) == 3
+        for a, b in zip(ray.get(sent_refs), ray.get(held_refs), strict=True):  # per TP rank: [model's KV]
+            np.testing.assert_array_equal(a[0], b[0])
     finally:
         split.shutdown()

@@ -128,7 +128,7 @@ def _port_with_cached_prompt(lease_s: float) -> tuple[EnginePort, list[int]]:
     for block, block_hash in zip(blocks, prefix_hashes(prompt, 4, None), strict=True):
         kv.pool.cache(block, block_hash)
     kv.pool.release(blocks)
-    return EnginePort(kv, _SharedExecutor(), lease_s), prompt
+    return EnginePort(kv, _SharedExecutor(), lease_s, shared=True), prompt
 
 
 def test_a_lease_holds_its_blocks_until_released() -> None:
