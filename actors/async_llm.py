@@ -120,13 +120,14 @@ class AsyncLLM(StreamingClient):
         cache_salt: str | None = None,
         skip: int = 0,
         wait_s: float = 0.0,
-        pull_node: str | None = None,
+        pull_at: list[str] | None = None,
     ) -> tuple[KVHandoff, list[Any]]:
         """The cached blocks of token_ids' prefix after the first `skip`, for another engine
-        (actors/kv_connector/; leased, for one on pull_node to copy out of this one's shared
-        caches: then release_kv when done); with wait_s, once a prefill step has cached one more."""
+        (actors/kv_connector/; leased, for one whose workers are at pull_at, its kv_places, to
+        copy out of this one's shared caches: then release_kv when done); with wait_s, once a
+        prefill step has cached one more."""
         self._check_alive()
-        return await self._call("export_kv", token_ids, cache_salt, skip, wait_s, pull_node)
+        return await self._call("export_kv", token_ids, cache_salt, skip, wait_s, pull_at)
 
     async def release_kv(self, lease: int) -> None:
         """A pull of export_kv's leased blocks is over. Best effort: an engine that died took
@@ -134,10 +135,11 @@ class AsyncLLM(StreamingClient):
         with suppress(EngineDeadError, ray.exceptions.RayError):
             await self._call("release_kv", lease)
 
-    async def kv_node(self) -> str | None:
-        """The node where another engine can copy this one's blocks out of its shared caches."""
+    async def kv_places(self) -> list[str] | None:
+        """Where this engine's workers are (node, and GPU on CUDA), for an exporter to lease it
+        blocks to copy out of the exporter's shared caches; None: its caches are not shared."""
         self._check_alive()
-        return await self._call("kv_node")
+        return await self._call("kv_places")
 
     async def import_kv(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """Another engine's exported blocks into this engine's prefix cache."""

@@ -139,7 +139,7 @@ class DisaggregatedLLM:
         self._legs: dict[str, list[tuple[AsyncLLM, str]]] = {}  # request id -> its legs
         # What each decode engine was last sent (block hashes): where a prompt's prefix likely is.
         self._held = [HashIndex() for _ in self.decode]
-        self._kv_nodes: dict[int, str | None] = {}  # id(decode engine) -> where it pulls (_kv_node)
+        self._kv_places: dict[int, list[str] | None] = {}  # id(decode engine) -> its workers' places
         self._turn = 0
         self._ids = 0
 
@@ -273,10 +273,10 @@ class DisaggregatedLLM:
         decode engine recomputes what did not come."""
         sent = 0
         try:
-            node = await self._kv_node(decode)
+            places = await self._places(decode)
             while sent < total:
                 last = prefilled.is_set()
-                export = prefill.export_kv(ids, cache_salt, sent, 0.0 if last else KV_STREAM_WAIT_S, node)
+                export = prefill.export_kv(ids, cache_salt, sent, 0.0 if last else KV_STREAM_WAIT_S, places)
                 moved = await move_blocks(export, decode.import_kv, self.transfer, prefill.release_kv)
                 sent += moved
                 if sent < total:
@@ -287,12 +287,13 @@ class DisaggregatedLLM:
             return e
         return None
 
-    async def _kv_node(self, decode: AsyncLLM) -> str | None:
-        """The node where `decode` copies blocks out of a prefill engine's shared caches (the
-        `ipc` transport), asked once per engine; None: they come through the object store."""
-        if id(decode) not in self._kv_nodes:
-            self._kv_nodes[id(decode)] = await decode.kv_node()
-        return self._kv_nodes[id(decode)]
+    async def _places(self, decode: AsyncLLM) -> list[str] | None:
+        """Where `decode`'s workers are, asked once per engine: a prefill engine whose workers
+        are there too leases the blocks for them to copy out of its shared caches (the `ipc`
+        transport); None: they come through the object store."""
+        if id(decode) not in self._kv_places:
+            self._kv_places[id(decode)] = await decode.kv_places()
+        return self._kv_places[id(decode)]
 
     async def _hand_over(
         self, mover: asyncio.Task[BaseException | None], prefilled: asyncio.Event

@@ -22,12 +22,12 @@ from cadenza.models.llama import LlamaForCausalLM
 
 class DraftModelProposer:
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_share_node: str | None = None
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_share_place: str | None = None
     ) -> None:
         self.model = model
         self.block_size = block_size
         model.prepare_kernels()
-        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_share_node)
+        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_share_place)
         self.computed: dict[str, int] = {}  # leading positions holding the draft's KV
         self.probs: dict[str, torch.Tensor] = {}
 

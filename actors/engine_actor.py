@@ -125,20 +125,20 @@ class EngineActor:
         cache_salt: str | None,
         skip: int = 0,
         wait_s: float = 0.0,
-        pull_node: str | None = None,
+        pull_at: list[str] | None = None,
     ) -> tuple[KVHandoff, list[ray.ObjectRef]]:
         """The KV connector: the cached blocks of token_ids' prefix after the first `skip`, for
-        another engine (leased, for one on pull_node to copy out); with wait_s, once the prefill
-        caching them has added one (EnginePort)."""
-        return await self.port.export(token_ids, cache_salt, skip, wait_s, pull_node)
+        another engine (leased, for one whose workers are at pull_at to copy out); with wait_s,
+        once the prefill caching them has added one (EnginePort)."""
+        return await self.port.export(token_ids, cache_salt, skip, wait_s, pull_at)
 
     async def release_kv(self, lease: int) -> None:
         """The KV connector: a pull of leased blocks is over."""
         self.port.release(lease)
 
-    async def kv_node(self) -> str | None:
-        """The node on which another engine can pull from this one's shared caches (or None)."""
-        return await self.port.node()
+    async def kv_places(self) -> list[str] | None:
+        """Where the workers are, for an exporter to lease blocks this engine pulls (or None)."""
+        return await self.port.places()
 
     async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[ray.ObjectRef]]:
         """The KV connector: every block session pins hold (and those of `also` still cached),

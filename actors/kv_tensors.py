@@ -13,19 +13,19 @@ from cadenza.models.llama import LlamaForCausalLM
 
 
 def allocate_kv_cache(
-    model: LlamaForCausalLM, num_blocks: int, block_size: int, share_node: str | None = None
+    model: LlamaForCausalLM, num_blocks: int, block_size: int, share_place: str | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed, so never-written slots that a padded gather reads are finite (0 * NaN would leak),
     and on the CPU resident only as blocks are first written (see zeroed_kv_tensor). With
-    share_node (the Ray node this process is on), one allocation other engines on the node can
-    open (kv_connector/shared_cache.py: the `ipc` KV transport)."""
+    share_place (where this process is: runner_setup.kv_place), one allocation other engines
+    there can open (kv_connector/shared_cache.py: the `ipc` KV transport)."""
     dtype, device = model.weight_format.cache_dtype(model.norm.dtype), model.norm.device
     attns = [layer.self_attn for layer in model.layers]  # this pipeline stage's layers, this rank's KV heads
     shapes = [(num_blocks, block_size, a.num_kv_heads, a.head_dim) for a in attns]
-    if share_node is not None:
+    if share_place is not None:
         if len(set(shapes)) != 1:
             raise ValueError("a shared KV cache needs every layer's KV heads to be of one shape")
-        return allocate_shared((len(shapes), 2, *shapes[0]), dtype, device, share_node)
+        return allocate_shared((len(shapes), 2, *shapes[0]), dtype, device, share_place)
     return [(zeroed_kv_tensor(shape, dtype, device), zeroed_kv_tensor(shape, dtype, device)) for shape in shapes]
 
 

@@ -42,8 +42,8 @@ class ModelRunner:
 
     grammar_mask_timeout_s: the most a step waits, after its forward pass, for its grammar masks
     (None: as long as they take); a request whose mask is late fails alone.
-    kv_share_node: this process's Ray node, to allocate the KV cache where other engines on it
-    can read it (the `ipc` KV transport); None: private.
+    kv_share_place: where this process is (runner_setup.kv_place), to allocate the KV cache so
+    that other engines there can read it (the `ipc` KV transport); None: private.
     """
 
     def __init__(
@@ -59,7 +59,7 @@ class ModelRunner:
         link: StageLink | None = None,
         samples_ahead: bool = False,
         grammar_mask_timeout_s: float | None = None,
-        kv_share_node: str | None = None,
+        kv_share_place: str | None = None,
     ) -> None:
         if samples_ahead and not (is_driver and link is None and proposer is None):
             raise ValueError("a runner samples ahead only as the whole model's one rank, without speculation")
@@ -69,7 +69,7 @@ class ModelRunner:
         self.eos_token_ids, self.is_driver, self.device = eos_token_ids, is_driver, model.norm.device
         model.prepare_kernels()
         # With graphs, one block past the pool is the padding rows' scratch (no request owns it).
-        self.kv_caches = allocate_kv_cache(model, num_blocks + (graphs is not None), block_size, kv_share_node)
+        self.kv_caches = allocate_kv_cache(model, num_blocks + (graphs is not None), block_size, kv_share_place)
         self.graphs = (
             capture_decode_graphs(model, self.kv_caches, graphs, num_blocks, block_size) if graphs is not None else None
         )

@@ -13,7 +13,7 @@ from cadenza.models.loader import load_model
 
 
 def build_proposer(
-    config: EngineConfig, target: ModelConfig, max_model_len: int, num_blocks: int, kv_share_node: str | None = None
+    config: EngineConfig, target: ModelConfig, max_model_len: int, num_blocks: int, kv_share_place: str | None = None
 ) -> Proposer | None:
     spec = config.speculative_config
     if spec is None:
@@ -26,7 +26,7 @@ def build_proposer(
     if spec.draft_num_layers is not None:
         # A truncated copy: the first layers, then the model's own norm and head.
         draft.layers = nn.ModuleList(list(draft.layers)[: spec.draft_num_layers])
-    return DraftModelProposer(draft, num_blocks, config.block_size, kv_share_node)
+    return DraftModelProposer(draft, num_blocks, config.block_size, kv_share_place)
 
 
 def _check_compatible(name: str, draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:

@@ -5,6 +5,7 @@ on CUDA, its decode graphs)."""
 from __future__ import annotations
 
 import ray
+import torch
 
 from cadenza.actors.cuda_graphs import graph_settings
 from cadenza.actors.memory_profile import CudaProbe, MemoryProbe, kv_blocks_for_memory
@@ -44,7 +45,7 @@ def build_runner(
     model = loaded.model
     # The driver samples, so it verifies drafts and proposes the next ones (a draft model runs
     # whole beside the target's last stage, sharing its block tables).
-    share = kv_share_node(config)
+    share = kv_place(model.norm.device) if config.kv_transport == "ipc" else None
     proposer = build_proposer(config, loaded.config, loaded.max_model_len, num_blocks, share) if is_driver else None
     device = model.norm.device
     single_stage = model.is_first_stage and model.is_last_stage
@@ -56,16 +57,14 @@ def build_runner(
     return ModelRunner(
         model, num_blocks, config.block_size, eos, is_driver, proposer, lambda: loaded.tokenizer, graphs, link,
         samples_ahead=config.schedules_ahead, grammar_mask_timeout_s=config.grammar_mask_timeout_s,
-        kv_share_node=share,
+        kv_share_place=share,
     )  # fmt: skip
 
 
-def kv_share_node(config: EngineConfig) -> str | None:
-    """The Ray node this process is on when the engine's KV cache is to be shared with other
-    engines (kv_transport "ipc"), else None."""
-    return this_node() if config.kv_transport == "ipc" else None
-
-
-def this_node() -> str:
-    """The Ray node id of this process ("local" outside Ray)."""
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+def kv_place(device: torch.device) -> str:
+    """Where a KV cache on `device` in this process can be opened by another process (the `ipc`
+    KV transport): this Ray node ("local" outside Ray) and, on CUDA, this GPU by its UUID. A
+    process opens CUDA IPC memory only on a GPU it sees, and Ray shows each worker its own,
+    so a pull between GPUs goes through the object store instead."""
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    return f"{node}/gpu-{torch.cuda.get_device_properties(device).uuid}" if device.type == "cuda" else node

@@ -28,7 +28,7 @@ from cadenza.actors.kv_connector.handoff import KVShare
 from cadenza.actors.kv_connector.shared_cache import PeerCaches, check_lease, pull_blocks
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
-from cadenza.actors.runner_setup import build_runner, kv_pool_blocks, this_node
+from cadenza.actors.runner_setup import build_runner, kv_place, kv_pool_blocks
 from cadenza.actors.stage_link import StageLink
 from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, WorkerSpec
 from cadenza.models.loader import LoadedModel, load_model
@@ -176,7 +176,7 @@ class Worker:
         if len(shares) != len(sets):
             raise ValueError(f"{len(shares)} shared KV cache sets for this shard's {len(sets)}: see write_kv")
         if self._peers is None:
-            self._peers = PeerCaches(this_node())
+            self._peers = PeerCaches(kv_place(self.runner.device))
         pairs = zip(sets, shares, strict=True)
         done = sum(pull_blocks(caches, block_ids, self._peers.tensor(share), source_ids) for caches, share in pairs)
         check_lease(expires_at)

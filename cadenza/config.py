@@ -244,9 +244,10 @@ class EngineConfig:
         "engine (no hand-over, no queue behind long prompts on a prefill engine); 0: every prompt on a prefill engine"
     )  # fmt: skip
     kv_transport: str = setting(
-        "auto", "parallel", "how KV blocks move between engines: `ipc` (engines on one node share their KV caches, "
-        "memfd on the CPU, CUDA IPC on GPUs; a block is copied once, straight across; other pairs use the object "
-        "store), `object_store` (Ray's object store), `auto` (`ipc` with `--disaggregation`, else `object_store`)",
+        "auto", "parallel", "how KV blocks move between engines: `ipc` (engines on one node share their KV caches: "
+        "a memfd on the CPU, CUDA IPC between engines on one GPU; a block is copied once, straight across; other "
+        "pairs use the object store), `object_store` (Ray's object store), `auto` (`ipc` with `--disaggregation`, "
+        "else `object_store`)",
         choices=KV_TRANSPORTS,
     )  # fmt: skip
     kv_lease_s: float = setting(

@@ -9,8 +9,9 @@ An export may skip the run's first blocks (sent already) and wait for the run to
 scheduler caches a prompt's full blocks after every step, so a prompt prefilled in chunks is
 handed over chunk by chunk while the later chunks compute (actors/disaggregated.py).
 
-For an importer on this engine's node (`pull_node`), when both share their caches (the `ipc`
-transport, shared_cache.py), an export reads nothing: it leases the blocks (held until the
+For an importer whose workers are where this engine's are (`pull_at`: each worker's place, the
+node and on CUDA the GPU), when both share their caches (the `ipc` transport,
+shared_cache.py), an export reads nothing: it leases the blocks (held until the
 mover releases them, or for lease_s at most) and names them; the importer's workers copy them
 straight out of this engine's caches."""
 
@@ -56,11 +57,11 @@ class EnginePort:
         self._stepped = asyncio.Event()
         self._expire_leases()
 
-    async def node(self) -> str | None:
-        """The node whose processes can open this engine's shared caches (every worker's), or
-        None where they are private or spread over nodes."""
-        nodes = {s.node_id for worker in await self._shares() or [] for s in worker}
-        return nodes.pop() if len(nodes) == 1 else None
+    async def places(self) -> list[str] | None:
+        """Where each worker is (runner_setup.kv_place), as an exporter's pull_at; None where
+        the caches are private."""
+        shares = await self._shares()
+        return None if shares is None else [worker[0].place for worker in shares]
 
     def release(self, lease: int) -> None:
         """A pull of leased blocks is over (copied or not): they may be evicted again."""
@@ -100,11 +101,12 @@ class EnginePort:
         cache_salt: str | None,
         skip: int = 0,
         wait_s: float = 0.0,
-        pull_node: str | None = None,
+        pull_at: list[str] | None = None,
     ) -> tuple[KVHandoff, list[Any]]:
         """The leading run of token_ids' full blocks this pool caches, after its first `skip`
-        blocks, and their bytes (one object-store reference per worker), or for an importer on
-        pull_node that this engine shares its caches with, a lease on them (KVHandoff.pull).
+        blocks, and their bytes (one object-store reference per worker), or for an importer
+        whose worker i is where this engine's worker i is (pull_at, its places()), a lease on
+        them (KVHandoff.pull).
         With wait_s, first wait (that long at most) until the run is longer than `skip`: the
         prompt's prefill is still caching its blocks, step by step."""
         hashes = prefix_hashes(token_ids, self.kv.block_size, cache_salt)
@@ -115,7 +117,7 @@ class EnginePort:
                 break
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._stepped.wait(), left)
-        return await self._export(run[skip:], pull_node)
+        return await self._export(run[skip:], pull_at)
 
     def _lease(self, blocks: list[KVBlock], shares: list[list[KVShare]]) -> KVHandoff:
         """The blocks held for a peer to copy out of this engine's shared caches."""
@@ -137,14 +139,14 @@ class EnginePort:
                 blocks.setdefault(block.block_id, block)
         return await self._export(list(blocks.values()))
 
-    async def _export(self, blocks: list[KVBlock], pull_node: str | None = None) -> tuple[KVHandoff, list[Any]]:
+    async def _export(self, blocks: list[KVBlock], pull_at: list[str] | None = None) -> tuple[KVHandoff, list[Any]]:
         """Cached blocks' hashes and bytes, held while read so no eviction reuses them (or
-        leased, for a pull from pull_node)."""
+        leased, for a pull by workers at pull_at)."""
         pool, size = self.kv.pool, self.kv.block_size
         if not blocks:
             return KVHandoff(block_hashes=[], block_size=size), []
-        if pull_node is not None and (shares := await self._shares()) is not None:
-            if all(s.node_id == pull_node for worker in shares for s in worker):
+        if pull_at is not None and (shares := await self._shares()) is not None and len(shares) == len(pull_at):
+            if all(s.place == place for worker, place in zip(shares, pull_at) for s in worker):
                 return self._lease(blocks, shares), []
         pool.touch(blocks)
         try:

@@ -16,9 +16,9 @@ from cadenza.stats import KVTransferStats
 
 
 class KVShare(msgspec.Struct, frozen=True, kw_only=True):
-    """How a process on `node_id` opens one shared cache set."""
+    """How a process at `place` opens one shared cache set."""
 
-    node_id: str  # the Ray node it lives on: it opens only there
+    place: str  # where it opens: the Ray node, and on CUDA the GPU (runner_setup.kv_place)
     pid: int  # the exporting process
     name: str  # CPU: the memfd's name (random), checked before mapping; CUDA: a random tag
     fd: int = -1  # CPU: the memfd in pid's descriptor table

@@ -7,8 +7,8 @@ the blocks it is handed straight out of it, one copy, while the exporting engine
 through shared memory. On the CPU the allocation is a memfd: no file exists to leak, the kernel
 frees it with the last process that maps it, and a peer opens it through /proc/<pid>/fd after
 checking the descriptor still names this memfd (a reused pid or fd is somebody else's). On
-CUDA it is one device buffer, opened by its CUDA IPC handle (same node; another GPU too where
-peer access is on)."""
+CUDA it is one device buffer, opened by its CUDA IPC handle by a process on the same GPU
+(runner_setup.kv_place: Ray shows each worker only its own GPU)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class KVLeaseExpired(RuntimeError):
     """A pull finished after the exporter's lease ran out: what it copied may be overwritten."""
 
 
-def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, node_id: str) -> KVCacheSet:
+def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, place: str) -> KVCacheSet:
     """Zeroed caches of shape [layers, 2, *block_shape] in one shareable allocation (on the
     CPU resident only as blocks are first written, like kv_tensors.zeroed_kv_tensor)."""
     name = f"cadenza-kv-{secrets.token_hex(8)}"
@@ -61,7 +61,7 @@ def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
         fields = None
     caches = KVCacheSet((base[layer, 0], base[layer, 1]) for layer in range(shape[0]))
     caches.share = KVShare(
-        node_id=node_id, pid=os.getpid(), name=name, fd=fd, shape=list(shape), dtype=str(dtype).removeprefix("torch."),
+        place=place, pid=os.getpid(), name=name, fd=fd, shape=list(shape), dtype=str(dtype).removeprefix("torch."),
         cuda=fields,
     )  # fmt: skip
     caches.base = base  # keeps the allocation (and on the CPU the memfd's mapping) alive
@@ -70,9 +70,9 @@ def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return caches
 
 
-def _open(share: KVShare, node_id: str) -> torch.Tensor:
-    if share.node_id != node_id:
-        raise KVShareGone(f"the KV share lives on node {share.node_id}, not this one ({node_id})")
+def _open(share: KVShare, place: str) -> torch.Tensor:
+    if share.place != place:
+        raise KVShareGone(f"the KV share opens at {share.place}, not here ({place})")
     dtype = getattr(torch, share.dtype)
     if share.cuda is not None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -113,8 +113,8 @@ class PeerCaches:
     """The shares this process has opened, by name; one whose process is gone is dropped (its
     memory goes with the last mapping)."""
 
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
+    def __init__(self, place: str) -> None:
+        self.place = place  # this process's (runner_setup.kv_place)
         self._open: dict[str, tuple[KVShare, torch.Tensor]] = {}
 
     def tensor(self, share: KVShare) -> torch.Tensor:
@@ -122,7 +122,7 @@ class PeerCaches:
             if name != share.name and not _alive(known):
                 del self._open[name]
         if share.name not in self._open:
-            self._open[share.name] = (share, _open(share, self.node_id))
+            self._open[share.name] = (share, _open(share, self.place))
         return self._open[share.name][1]
 
 

@@ -19,7 +19,7 @@ from cadenza.actors.kv_connector.handoff import KVShare
 from cadenza.actors.kv_connector.shared_cache import PeerCaches, allocate_shared, pull_blocks
 from cadenza.benchmarks.gpu_cases import Case, Plan
 
-NODE = "gpu-check"  # both processes are on this machine
+PLACE = "gpu-check"  # both processes are on this machine, on one device
 SEED = 1234
 EXPORTER_START_S = 300  # spawning the exporter imports torch (and initialises CUDA)
 
@@ -37,7 +37,7 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> to
 def _exporter(conn: Connection, shape: tuple[int, ...], dtype_name: str, device: str) -> None:
     """The other process: a filled shared cache set, its KVShare sent (msgpack), kept until told."""
     dev = torch.device(device)
-    caches = allocate_shared(shape, getattr(torch, dtype_name), dev, NODE)
+    caches = allocate_shared(shape, getattr(torch, dtype_name), dev, PLACE)
     caches.base.copy_(_values(shape, caches.base.dtype, dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -54,7 +54,7 @@ def _open_exporter(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device
     if not ours.poll(EXPORTER_START_S):
         proc.kill()
         raise RuntimeError("the exporting process sent no KV share")
-    source = PeerCaches(NODE).tensor(msgspec.msgpack.decode(ours.recv_bytes(), type=KVShare))
+    source = PeerCaches(PLACE).tensor(msgspec.msgpack.decode(ours.recv_bytes(), type=KVShare))
 
     def stop() -> None:
         ours.send_bytes(b"done")

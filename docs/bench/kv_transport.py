@@ -47,18 +47,18 @@ async def prefill_s(engine: AsyncLLM, ids: list[int], salt: str) -> float:
 
 
 async def hand_over(
-    source: AsyncLLM, target: AsyncLLM, ids: list[int], salt: str, node: str | None
+    source: AsyncLLM, target: AsyncLLM, ids: list[int], salt: str, places: list[str] | None
 ) -> tuple[float, KVTransferStats]:
-    """Seconds of one hand-over of ids' cached blocks (a pull when node is the target's)."""
+    """Seconds of one hand-over of ids' cached blocks (a pull when places are the target's)."""
     stats = KVTransferStats()
     start = time.perf_counter()
-    await move_blocks(source.export_kv(ids, salt, pull_node=node), target.import_kv, stats, source.release_kv)
+    await move_blocks(source.export_kv(ids, salt, pull_at=places), target.import_kv, stats, source.release_kv)
     return time.perf_counter() - start, stats
 
 
 async def measure() -> dict[str, Any]:
     source, by_store, by_ipc = (AsyncLLM(DEFAULT_MODEL, num_blocks=NUM_BLOCKS, kv_transport="ipc") for _ in range(3))
-    node = await by_ipc.kv_node()
+    places = await by_ipc.kv_places()
     ids = [(i * 7919) % 40000 + 100 for i in range(PROMPT_TOKENS)]
     rows: dict[str, list[float]] = {"prefill": [], "object_store": [], "ipc": []}
     moved: dict[str, KVTransferStats] = {}
@@ -66,7 +66,7 @@ async def measure() -> dict[str, Any]:
         salt = f"rep{rep}"
         prefill = await prefill_s(source, ids, salt)
         store_s, moved["object_store"] = await hand_over(source, by_store, ids, salt, None)
-        ipc_s, moved["ipc"] = await hand_over(source, by_ipc, ids, salt, node)
+        ipc_s, moved["ipc"] = await hand_over(source, by_ipc, ids, salt, places)
         if rep >= WARMUP:
             for key, value in (("prefill", prefill), ("object_store", store_s), ("ipc", ipc_s)):
                 rows[key].append(value)

@@ -76,7 +76,7 @@ print(float(t[:, :, 3].double().sum()), float(t[1, 1, 7].double().sum()))
 
 def test_a_share_from_another_node_or_a_gone_memfd_is_refused() -> None:
     _, share = _filled()
-    with pytest.raises(KVShareGone, match="lives on node node-a"):
+    with pytest.raises(KVShareGone, match="opens at node-a, not here"):
         PeerCaches("node-b").tensor(share)
     with pytest.raises(KVShareGone, match="no longer the KV share"):  # the fd is there, but not this memfd
         PeerCaches("node-a").tensor(msgspec.structs.replace(share, name="cadenza-kv-other"))
@@ -133,7 +133,7 @@ def _port_with_cached_prompt(lease_s: float) -> tuple[EnginePort, list[int]]:
 
 def test_a_lease_holds_its_blocks_until_released() -> None:
     port, prompt = _port_with_cached_prompt(lease_s=60)
-    handoff, refs = asyncio.run(port.export(prompt, None, pull_node="node-a"))
+    handoff, refs = asyncio.run(port.export(prompt, None, pull_at=["node-a"]))
     assert refs == [] and handoff.pull is not None and len(handoff.pull.block_ids) == 3
     assert port.kv.pool.num_free_blocks == 5  # held: no allocation may evict them
     port.release(handoff.pull.lease)
@@ -144,14 +144,14 @@ def test_a_lease_holds_its_blocks_until_released() -> None:
 
 def test_a_lease_nobody_releases_ends_on_its_own() -> None:
     port, prompt = _port_with_cached_prompt(lease_s=0.05)
-    handoff, _ = asyncio.run(port.export(prompt, None, pull_node="node-a"))
+    handoff, _ = asyncio.run(port.export(prompt, None, pull_at=["node-a"]))
     assert port.kv.pool.num_free_blocks == 5
     time.sleep(0.1)
     port.step_done()  # leases are checked after every step
     assert port.kv.pool.num_free_blocks == 8
 
     async def idle_engine() -> int:  # no step, no call: the lease's timer ends it
-        await port.export(prompt, None, pull_node="node-a")
+        await port.export(prompt, None, pull_at=["node-a"])
         held = port.kv.pool.num_free_blocks
         await asyncio.sleep(0.2)
         return held
@@ -161,5 +161,6 @@ def test_a_lease_nobody_releases_ends_on_its_own() -> None:
 
 def test_an_importer_on_another_node_gets_the_bytes_instead() -> None:
     port, prompt = _port_with_cached_prompt(lease_s=60)
-    handoff, refs = asyncio.run(port.export(prompt, None, pull_node="node-b"))
-    assert handoff.pull is None and refs == ["bytes"] and port.kv.pool.num_free_blocks == 8
+    for elsewhere in (["node-b"], ["node-a", "node-a"]):  # another place; another worker count
+        handoff, refs = asyncio.run(port.export(prompt, None, pull_at=elsewhere))
+        assert handoff.pull is None and refs == ["bytes"] and port.kv.pool.num_free_blocks == 8
