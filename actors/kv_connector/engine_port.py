@@ -120,8 +120,7 @@ class EnginePort:
         return await self._export(run[skip:], pull_at)
 
     def _lease(self, blocks: list[KVBlock], shares: list[list[KVShare]]) -> KVHandoff:
-        """The blocks held for a peer to copy out of this engine's shared caches."""
-        self.kv.pool.touch(blocks)
+        """Held blocks kept held for a peer to copy out of this engine's shared caches."""
         lease, expires_at = next(self._lease_ids), time.monotonic() + self.lease_s
         self._leases[lease] = (blocks, expires_at)
         # Ends it even on an engine that steps no more (its mover gone: cancelled mid-export).
@@ -145,16 +144,25 @@ class EnginePort:
         pool, size = self.kv.pool, self.kv.block_size
         if not blocks:
             return KVHandoff(block_hashes=[], block_size=size), []
-        if pull_at is not None and (shares := await self._shares()) is not None and len(shares) == len(pull_at):
-            if all(s.place == place for worker, place in zip(shares, pull_at) for s in worker):
-                return self._lease(blocks, shares), []
-        pool.touch(blocks)
+        pool.touch(blocks)  # before any await: no eviction may reuse them from here
+        leased = False
         try:
+            if pull_at is not None and (shares := await self._shares_at(pull_at)) is not None:
+                handoff, leased = self._lease(blocks, shares), True  # the lease keeps them held
+                return handoff, []
             refs = await self.executor.read_kv([b.block_id for b in blocks])
         finally:
-            pool.release(blocks[::-1])
+            if not leased:
+                pool.release(blocks[::-1])
         self.exported_blocks += len(blocks)
         return KVHandoff(block_hashes=_hashes(blocks), block_size=size), refs
+
+    async def _shares_at(self, pull_at: list[str]) -> list[list[KVShare]] | None:
+        """The workers' shares when worker i is where the importer's worker i is, else None."""
+        shares = await self._shares()
+        if shares is None or len(shares) != len(pull_at):
+            return None
+        return shares if all(s.place == place for worker, place in zip(shares, pull_at) for s in worker) else None
 
     async def import_(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """File the handoff's blocks this pool lacks (those it holds are skipped), as far as
