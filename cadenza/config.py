@@ -246,8 +246,8 @@ class EngineConfig:
     kv_transport: str = setting(
         "auto", "parallel", "how KV blocks move between engines: `ipc` (engines on one node share their KV caches: "
         "a memfd on the CPU, CUDA IPC between engines on one GPU; a block is copied once, straight across; other "
-        "pairs use the object store), `object_store` (Ray's object store), `auto` (`ipc` with `--disaggregation`, "
-        "else `object_store`)",
+        "pairs use the object store), `object_store` (Ray's object store), `auto` (`ipc` with `--disaggregation` "
+        "and for Serve replicas' KV pulls, else `object_store`)",
         choices=KV_TRANSPORTS,
     )  # fmt: skip
     kv_lease_s: float = setting(

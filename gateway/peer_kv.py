@@ -4,7 +4,8 @@ Before a prompt runs, the KV directory (gateway/kv_directory.py) says whether an
 holds a leading run of its blocks at least `kv_pull_min_tokens` longer than this one's (a short
 pull costs more than the tokens it saves); if so, that replica's engine exports those blocks and
 this one imports them into its prefix cache through the KV connector (actors/kv_connector), the
-hand-over prefill/decode disaggregation uses, and the request computes only the rest (its
+hand-over prefill/decode disaggregation uses (replicas on one node copy the blocks straight out
+of each other's shared caches: kv_transport ipc), and the request computes only the rest (its
 `cached_tokens` counts them). Why pull rather than route to the holder: Serve's router sees a
 request's metadata, never its body, so it cannot know a prompt's blocks; the replica holding
 the body can, and a turn whose 640-token prefix was pulled reached its first token in about a
@@ -59,6 +60,7 @@ class PeerKVEngine:
         self.timeout_s = timeout_s
         self.transfer = KVTransferStats()  # pulls: blocks imported from peers, and fallbacks
         self._tasks: set[asyncio.Task] = set()
+        self._kv_places: list[str] | None = None  # [] once asked: this engine's cache is private
         # Known from the start, holding nothing: a replica that drains may hand its KV here.
         directory.actor.publish.remote(replica, engine.num_engine_restarts, engine.engine, [])
 
@@ -109,7 +111,9 @@ class PeerKVEngine:
             if found is None:
                 return
             peer, peer_engine, _ = found
-            move = move_kv(peer_engine.export_kv.remote(ids, cache_salt), self.engine.import_kv, self.transfer)
+            export = peer_engine.export_kv.remote(ids, cache_salt, 0, 0.0, await self._places())
+            release = peer_engine.release_kv.remote  # a lease, where the peer shares its cache with this one
+            move = move_kv(export, self.engine.import_kv, self.transfer, release)
             log.info("pulled %d blocks of KV from replica %s", await asyncio.wait_for(move, self.timeout_s), peer)
         except Exception as e:  # the request goes on and recomputes the prefix
             self.transfer.num_fallbacks += 1
@@ -117,6 +121,13 @@ class PeerKVEngine:
             if isinstance(e, RayActorError) and peer is not None:  # its engine is gone: no one asks it again
                 await self.directory.forget(peer)
         self.transfer.seconds += time.monotonic() - start
+
+    async def _places(self) -> list[str] | None:
+        """Where this engine's workers are (asked once): a peer whose workers are there too
+        leases its blocks for them to copy straight out of its shared cache (kv_transport ipc)."""
+        if self._kv_places is None:
+            self._kv_places = await self.engine.kv_places() or []
+        return self._kv_places or None
 
     async def _publish(self, hashes: list[bytes]) -> None:
         if not hashes:

@@ -66,10 +66,14 @@ class CadenzaDeployment:
         self.settings = GatewaySettings(**gateway_with_env_key(gateway))
         # With disaggregation ("1P1D", ...) the replica's engine is that many prefill and decode
         # engines (actors/disaggregated.py), served as one.
-        llm = DisaggregatedLLM(model, disaggregation, **engine) if disaggregation else AsyncLLM(model, **engine)
-        # A prompt starts from KV another replica cached, pulled across (gateway/peer_kv.py).
-        self.directory: KVDirectory | None = None
         s = self.settings
+        # A prompt starts from KV another replica cached, pulled across (gateway/peer_kv.py):
+        # replicas on one node share their caches for it (kv_transport "auto").
+        pulls = not disaggregation and s.kv_pull_min_tokens > 0 and engine.get("enable_prefix_caching") is not False
+        if pulls and engine.get("kv_transport", "auto") == "auto":
+            engine = {**engine, "kv_transport": "ipc"}
+        llm = DisaggregatedLLM(model, disaggregation, **engine) if disaggregation else AsyncLLM(model, **engine)
+        self.directory: KVDirectory | None = None
         if isinstance(llm, AsyncLLM) and llm.config.enable_prefix_caching and s.kv_pull_min_tokens > 0:
             self.directory = KVDirectory(directory_name(self.app_name, self.model_name))
             llm = PeerKVEngine(llm, self.directory, self.replica_id, s.kv_pull_min_tokens, s.kv_pull_timeout_s)

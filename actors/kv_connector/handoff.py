@@ -8,6 +8,7 @@ are cached; Serve's pulls whole, move_kv)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from typing import Any
 
 import msgspec
@@ -70,7 +71,8 @@ async def move_blocks(
             stats.num_blocks_pulled += done.num_imported if handoff.pull is not None else 0
     finally:
         if handoff.pull is not None and release is not None:
-            await release(handoff.pull.lease)
+            with suppress(Exception):  # best effort: a lease no one ends runs out at kv_lease_s
+                await release(handoff.pull.lease)
     return len(handoff.block_hashes)
 
 
@@ -78,9 +80,10 @@ async def move_kv(
     export: Awaitable[tuple[KVHandoff, list[Any]]],
     import_kv: Callable[[KVHandoff, list[Any]], Awaitable[KVImport]],
     stats: KVTransferStats,
+    release: Callable[[int], Awaitable[None]] | None = None,
 ) -> int:
     """One hand-over in one part (Serve's replica-to-replica pulls): move_blocks, counted as
     a hand-over."""
-    moved = await move_blocks(export, import_kv, stats)
+    moved = await move_blocks(export, import_kv, stats, release)
     stats.num_handoffs += 1
     return moved

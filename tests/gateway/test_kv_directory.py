@@ -53,14 +53,16 @@ def test_a_prompt_is_sent_to_the_replica_with_the_longest_run_beyond_its_own(ray
 def test_a_replica_pulls_a_cached_prefix_and_a_dead_peer_is_a_recompute(
     ray_cluster: None, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Two engines as two replicas: the second starts a prompt from the first's KV and answers
-    its greedy tokens; a peer whose engine is dead costs a recompute, never the request."""
+    """Two engines as two replicas: the second starts a prompt from the first's KV (copied
+    straight out of its shared cache, as Serve replicas on one node do) and answers its greedy
+    tokens; a peer whose engine is dead costs a recompute, never the request."""
     from cadenza_testkit.tiny_models import build_tiny_chat_model
 
     path = str(build_tiny_chat_model(tmp_path_factory.mktemp("peer_kv")))
     directory = KVDirectory("cadenza-kv-directory:test:pull")
     first, second = (
-        PeerKVEngine(AsyncLLM(path, num_blocks=64), directory, name, min_tokens=32, timeout_s=30) for name in "ab"
+        PeerKVEngine(AsyncLLM(path, num_blocks=64, kv_transport="ipc"), directory, name, min_tokens=32, timeout_s=30)
+        for name in "ab"
     )
     prompt, greedy = TokensPrompt(list(range(5, 90))), SamplingParams(temperature=0, max_tokens=6)
 
@@ -77,6 +79,7 @@ def test_a_replica_pulls_a_cached_prefix_and_a_dead_peer_is_a_recompute(
         moved, cached = await run(second)
         assert moved == at_home and cached == 80  # 5 full blocks of 85 tokens came across
         assert second.transfer.num_handoffs == 1 and second.transfer.num_blocks_imported == 5
+        assert second.transfer.num_blocks_pulled == 5
         # A replica whose engine died, said to hold a longer run: the pull fails, the request does not.
         dead = AsyncLLM(path, num_blocks=16)
         longer = [*prompt.token_ids, *at_home, *range(300, 340)]
