@@ -36,13 +36,17 @@ def add_moved_session_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument(
+        "--kv-transport", default="ipc", choices=("ipc", "object_store"),
+        help="how the pull moves the blocks (ipc: what Serve replicas on one node use)",
+    )  # fmt: skip
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     # Three engines of one CPU each: more logical CPUs than AsyncLLM's own instance would take.
     init_local_ray(4, logging_level="error")
     directory = KVDirectory(f"cadenza-kv-directory:bench:{os.getpid()}")
-    engines = [AsyncLLM(args.model, num_blocks=args.num_blocks) for _ in range(3)]
+    engines = [AsyncLLM(args.model, num_blocks=args.num_blocks, kv_transport=args.kv_transport) for _ in range(3)]
     home, other, puller = engines
     home_peer = PeerKVEngine(home, directory, "home", min_tokens=64, timeout_s=60)
     pulling = PeerKVEngine(puller, directory, "moved", min_tokens=64, timeout_s=60)
@@ -73,7 +77,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_pulled_s": median(moved),
         "pulled_over_recomputed": median(moved) / median(recomputed),
         "pull_s_mean": pulling.transfer.seconds / max(pulling.transfer.num_handoffs, 1),
+        "kv_transport": args.kv_transport,
         "blocks_pulled": pulling.transfer.num_blocks_imported,
+        "blocks_copied_from_a_shared_cache": pulling.transfer.num_blocks_pulled,
         "bytes_pulled": pulling.transfer.num_bytes,
         "reps": args.reps,
     }
