@@ -25,6 +25,11 @@ import torch
 from cadenza.actors.kv_connector.handoff import KVShare
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+# A pull whose blocks run consecutively on both sides for this many on average copies slices
+# (one pass); shorter runs gather and scatter by index (a temporary, two passes, but no call
+# per block). Freshly allocated blocks on both sides mostly run: 128 blocks of SmolLM2 in 8.7
+# against 14.6 ms, 2 threads on Zen 4.
+MIN_RUN = 4
 
 
 class KVCacheSet(list):  # noqa: FURB189 - a plain list of (K, V) the model reads, plus how to share it
@@ -132,14 +137,32 @@ def pull_blocks(caches: KVCaches, block_ids: list[int], source: torch.Tensor, so
     k0 = caches[0][0]
     if source.shape[0] != len(caches) or source.shape[3:] != k0.shape[1:] or source.dtype != k0.dtype:
         raise ValueError(f"a peer's KV of shape {tuple(source.shape)} ({source.dtype}) does not fit this cache")
-    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
-    picked = torch.tensor(source_ids, dtype=torch.long, device=source.device)
-    for layer, (k, v) in enumerate(caches):
-        k.index_copy_(0, index, source[layer, 0].index_select(0, picked).to(k.device))
-        v.index_copy_(0, index, source[layer, 1].index_select(0, picked).to(v.device))
+    runs = _runs(block_ids, source_ids)
+    if len(runs) * MIN_RUN <= len(block_ids):  # mostly consecutive on both sides: one copy, no gather
+        for layer, (k, v) in enumerate(caches):
+            for to, start, n in runs:
+                k[to : to + n].copy_(source[layer, 0, start : start + n])
+                v[to : to + n].copy_(source[layer, 1, start : start + n])
+    else:
+        index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+        picked = torch.tensor(source_ids, dtype=torch.long, device=source.device)
+        for layer, (k, v) in enumerate(caches):
+            k.index_copy_(0, index, source[layer, 0].index_select(0, picked).to(k.device))
+            v.index_copy_(0, index, source[layer, 1].index_select(0, picked).to(v.device))
     if k0.device.type == "cuda":
         torch.cuda.current_stream(k0.device).synchronize()  # the copy is done before the lease is checked
     return 2 * len(caches) * len(block_ids) * k0[0].numel() * k0.element_size()
+
+
+def _runs(block_ids: list[int], source_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first block here, first block there, length) of the runs consecutive on both sides."""
+    runs: list[list[int]] = []
+    for to, start in zip(block_ids, source_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == to and runs[-1][1] + runs[-1][2] == start:
+            runs[-1][2] += 1
+        else:
+            runs.append([to, start, 1])
+    return [(to, start, n) for to, start, n in runs]
 
 
 def check_lease(expires_at: float) -> None:

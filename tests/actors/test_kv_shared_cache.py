@@ -55,6 +55,21 @@ def test_a_peer_copies_the_exporters_blocks_exactly(dtype: torch.dtype) -> None:
         assert not k[0].any() and not v[2].any()  # only the named blocks were written
 
 
+@pytest.mark.parametrize(
+    ("here", "there"),
+    [([0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0]),  # no runs: by index
+     ([4, 5, 6, 7, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]),  # two runs of 4: by slices
+     ([2, 3, 4, 5, 6, 7, 0], [1, 2, 3, 4, 5, 6, 0])],  # a run of 6 and one of 1
+)  # fmt: skip
+def test_a_pull_by_runs_or_by_index_copies_the_same(here: list[int], there: list[int]) -> None:
+    caches, share = _filled()
+    mine = _private()
+    pull_blocks(mine, here, PeerCaches("node-a").tensor(share), there)
+    for (k, v), (pk, pv) in zip(mine, caches, strict=True):
+        for to, start in zip(here, there, strict=True):
+            assert torch.equal(k[to], pk[start]) and torch.equal(v[to], pv[start])
+
+
 def test_another_process_opens_the_share_and_reads_the_same_bytes() -> None:
     """The real case: the importer is another process (it opens /proc/<pid>/fd/<fd>)."""
     caches, share = _filled()
