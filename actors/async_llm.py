@@ -74,6 +74,7 @@ class AsyncLLM(StreamingClient):
         codec.register()
         self.output_transport = "actor calls"  # "socket" while outputs stream over one
         self.engine = _new_engine(self.config)
+        self._kv_places: tuple[Any, list[str] | None] | None = None  # (engine actor asked, its answer)
         try:
             self.max_model_len: int = ray.get(self.engine.start.remote())
         except ray.exceptions.RayError as e:
@@ -137,9 +138,13 @@ class AsyncLLM(StreamingClient):
 
     async def kv_places(self) -> list[str] | None:
         """Where this engine's workers are (node, and GPU on CUDA), for an exporter to lease it
-        blocks to copy out of the exporter's shared caches; None: its caches are not shared."""
+        blocks to copy out of the exporter's shared caches; None: its caches are not shared.
+        Asked once per engine actor (a replaced one is asked anew)."""
         self._check_alive()
-        return await self._call("kv_places")
+        engine = self.engine
+        if self._kv_places is None or self._kv_places[0] is not engine:
+            self._kv_places = (engine, await self._call("kv_places"))
+        return self._kv_places[1]
 
     async def import_kv(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """Another engine's exported blocks into this engine's prefix cache."""

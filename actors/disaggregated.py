@@ -139,7 +139,6 @@ class DisaggregatedLLM:
         self._legs: dict[str, list[tuple[AsyncLLM, str]]] = {}  # request id -> its legs
         # What each decode engine was last sent (block hashes): where a prompt's prefix likely is.
         self._held = [HashIndex() for _ in self.decode]
-        self._kv_places: dict[int, list[str] | None] = {}  # id(decode engine) -> its workers' places
         self._turn = 0
         self._ids = 0
 
@@ -273,7 +272,7 @@ class DisaggregatedLLM:
         decode engine recomputes what did not come."""
         sent = 0
         try:
-            places = await self._places(decode)
+            places = await decode.kv_places()  # a prefill engine there too leases the blocks to copy out
             while sent < total:
                 last = prefilled.is_set()
                 export = prefill.export_kv(ids, cache_salt, sent, 0.0 if last else KV_STREAM_WAIT_S, places)
@@ -286,14 +285,6 @@ class DisaggregatedLLM:
         except Exception as e:  # returned: the caller counts it and goes on
             return e
         return None
-
-    async def _places(self, decode: AsyncLLM) -> list[str] | None:
-        """Where `decode`'s workers are, asked once per engine: a prefill engine whose workers
-        are there too leases the blocks for them to copy out of its shared caches (the `ipc`
-        transport); None: they come through the object store."""
-        if id(decode) not in self._kv_places:
-            self._kv_places[id(decode)] = await decode.kv_places()
-        return self._kv_places[id(decode)]
 
     async def _hand_over(
         self, mover: asyncio.Task[BaseException | None], prefilled: asyncio.Event

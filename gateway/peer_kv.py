@@ -60,7 +60,6 @@ class PeerKVEngine:
         self.timeout_s = timeout_s
         self.transfer = KVTransferStats()  # pulls: blocks imported from peers, and fallbacks
         self._tasks: set[asyncio.Task] = set()
-        self._kv_places: list[str] | None = None  # [] once asked: this engine's cache is private
         # Known from the start, holding nothing: a replica that drains may hand its KV here.
         directory.actor.publish.remote(replica, engine.num_engine_restarts, engine.engine, [])
 
@@ -111,7 +110,8 @@ class PeerKVEngine:
             if found is None:
                 return
             peer, peer_engine, _ = found
-            export = peer_engine.export_kv.remote(ids, cache_salt, 0, 0.0, await self._places())
+            # A peer whose workers are where this engine's are leases its blocks to copy straight out.
+            export = peer_engine.export_kv.remote(ids, cache_salt, 0, 0.0, await self.engine.kv_places())
             release = peer_engine.release_kv.remote  # a lease, where the peer shares its cache with this one
             move = move_kv(export, self.engine.import_kv, self.transfer, release)
             log.info("pulled %d blocks of KV from replica %s", await asyncio.wait_for(move, self.timeout_s), peer)
@@ -121,13 +121,6 @@ class PeerKVEngine:
             if isinstance(e, RayActorError) and peer is not None:  # its engine is gone: no one asks it again
                 await self.directory.forget(peer)
         self.transfer.seconds += time.monotonic() - start
-
-    async def _places(self) -> list[str] | None:
-        """Where this engine's workers are (asked once): a peer whose workers are there too
-        leases its blocks for them to copy straight out of its shared cache (kv_transport ipc)."""
-        if self._kv_places is None:
-            self._kv_places = await self.engine.kv_places() or []
-        return self._kv_places or None
 
     async def _publish(self, hashes: list[bytes]) -> None:
         if not hashes:

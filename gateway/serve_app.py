@@ -74,7 +74,7 @@ class CadenzaDeployment:
             engine = {**engine, "kv_transport": "ipc"}
         llm = DisaggregatedLLM(model, disaggregation, **engine) if disaggregation else AsyncLLM(model, **engine)
         self.directory: KVDirectory | None = None
-        if isinstance(llm, AsyncLLM) and llm.config.enable_prefix_caching and s.kv_pull_min_tokens > 0:
+        if pulls:
             self.directory = KVDirectory(directory_name(self.app_name, self.model_name))
             llm = PeerKVEngine(llm, self.directory, self.replica_id, s.kv_pull_min_tokens, s.kv_pull_timeout_s)
         self.engine = llm

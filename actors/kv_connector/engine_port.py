@@ -71,7 +71,10 @@ class EnginePort:
 
     def _expire_leases(self, now: float | None = None) -> None:
         """Release the leases past their end (their mover is gone, or far too slow: its importer
-        discards a copy that ended after expires_at); with now=inf, all of them."""
+        discards a copy that ended after expires_at); with now=inf, all of them. Called after
+        every step: nothing to do without leases."""
+        if not self._leases:
+            return
         now = time.monotonic() if now is None else now
         for lease in [n for n, (_, end) in self._leases.items() if end <= now]:
             self.kv.pool.release(self._leases.pop(lease)[0][::-1])

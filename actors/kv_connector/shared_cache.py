@@ -90,7 +90,7 @@ def _open(share: KVShare, place: str) -> torch.Tensor:
         )  # fmt: skip
     path = f"/proc/{share.pid}/fd/{share.fd}"
     try:
-        if os.readlink(path) != f"/memfd:{share.name} (deleted)":
+        if os.readlink(path) != _memfd_link(share):
             raise KVShareGone(f"{path} is no longer the KV share {share.name}")
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -105,11 +105,16 @@ def _open(share: KVShare, place: str) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=dtype, count=count).view(share.shape)
 
 
+def _memfd_link(share: KVShare) -> str:
+    """What /proc/<pid>/fd/<fd> points to while it is the share's memfd."""
+    return f"/memfd:{share.name} (deleted)"
+
+
 def _alive(share: KVShare) -> bool:
     if share.cuda is not None:
         return os.path.exists(f"/proc/{share.pid}")
     try:
-        return os.readlink(f"/proc/{share.pid}/fd/{share.fd}") == f"/memfd:{share.name} (deleted)"
+        return os.readlink(f"/proc/{share.pid}/fd/{share.fd}") == _memfd_link(share)
     except OSError:
         return False
 
