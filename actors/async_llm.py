@@ -74,12 +74,15 @@ class AsyncLLM(StreamingClient):
         codec.register()
         self.output_transport = "actor calls"  # "socket" while outputs stream over one
         self.engine = _new_engine(self.config)
-        self._kv_places: tuple[Any, list[str] | None] | None = None  # (engine actor asked, its answer)
         try:
             self.max_model_len: int = ray.get(self.engine.start.remote())
+            # Known before any hand-over: asking first would delay a prompt's first export past
+            # its request (actors/disaggregated.py relies on the export arriving first).
+            places = ray.get(self.engine.kv_places.remote()) if self.config.kv_transport == "ipc" else None
         except ray.exceptions.RayError as e:
             ray.kill(self.engine)
             raise RuntimeError(f"the engine failed to start: {e}") from e
+        self._kv_places: tuple[Any, list[str] | None] = (self.engine, places)  # (engine actor asked, its answer)
         self.request_limits = self.config.request_limits(self.model_config.vocab_size, self.max_model_len)
         self._engine_restarts = 0
         self._restarting = False  # a replacement engine is starting
@@ -139,10 +142,10 @@ class AsyncLLM(StreamingClient):
     async def kv_places(self) -> list[str] | None:
         """Where this engine's workers are (node, and GPU on CUDA), for an exporter to lease it
         blocks to copy out of the exporter's shared caches; None: its caches are not shared.
-        Asked once per engine actor (a replaced one is asked anew)."""
+        Asked at start, and once more of a replacement engine actor."""
         self._check_alive()
         engine = self.engine
-        if self._kv_places is None or self._kv_places[0] is not engine:
+        if self._kv_places[0] is not engine:
             self._kv_places = (engine, await self._call("kv_places"))
         return self._kv_places[1]
 

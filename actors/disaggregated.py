@@ -272,7 +272,7 @@ class DisaggregatedLLM:
         decode engine recomputes what did not come."""
         sent = 0
         try:
-            places = await decode.kv_places()  # a prefill engine there too leases the blocks to copy out
+            places = await decode.kv_places()  # known: no call. A prefill engine there too leases the blocks
             while sent < total:
                 last = prefilled.is_set()
                 export = prefill.export_kv(ids, cache_salt, sent, 0.0 if last else KV_STREAM_WAIT_S, places)
