@@ -78,7 +78,7 @@ class AsyncLLM(StreamingClient):
             self.max_model_len: int = ray.get(self.engine.start.remote())
             # Known before any hand-over: asking first would delay a prompt's first export past
             # its request (actors/disaggregated.py relies on the export arriving first).
-            places = ray.get(self.engine.kv_places.remote()) if self.config.kv_transport == "ipc" else None
+            places = ray.get(self.engine.kv_places.remote()) if self.config.shares_kv else None
         except ray.exceptions.RayError as e:
             ray.kill(self.engine)
             raise RuntimeError(f"the engine failed to start: {e}") from e

@@ -91,7 +91,7 @@ class EngineActor:
         if self.executor.num_blocks != self.core.num_blocks:  # on CUDA the workers sized the pool
             self._resize_pool(self.executor.num_blocks)
         config = self.core.config
-        self.port = EnginePort(self.core.kv, self.executor, config.kv_lease_s, config.kv_transport == "ipc")
+        self.port = EnginePort(self.core.kv, self.executor, config.kv_lease_s, config.shares_kv)
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         self._loop_task.add_done_callback(self._on_loop_exit)
         return self.core.max_model_len

@@ -216,13 +216,14 @@ class RayExecutor:
         return None if None in shares else shares
 
     async def pull_kv(self, block_ids: list[int], pull: KVPull, positions: list[int]) -> int:
-        """The import of the `ipc` transport: worker i copies blocks `positions` of the pull out of
+        """The import of the `ipc` and `nixl` transports: worker i copies blocks `positions` of the pull out of
         the exporter's worker i's shared caches (the same shard)."""
         if len(pull.shares) != len(self.workers):
             raise ValueError(f"{len(pull.shares)} KV shards for {len(self.workers)} workers: TP and PP must match")
         sources = [pull.block_ids[i] for i in positions]
         pairs = zip(self.workers, pull.shares, strict=True)
-        return sum(await asyncio.gather(*[w.pull_kv.remote(block_ids, s, sources, pull.expires_at) for w, s in pairs]))
+        end = (pull.expires_at, pull.wall_expires_at)
+        return sum(await asyncio.gather(*[w.pull_kv.remote(block_ids, s, sources, end) for w, s in pairs]))
 
     def shutdown(self) -> None:
         # Kill first: a graph's teardown waits for every worker's loop, and a survivor may sit

@@ -100,12 +100,13 @@ class LocalExecutor:
         return None if shares is None else [shares]
 
     async def pull_kv(self, block_ids: list[int], pull: KVPull, positions: list[int]) -> int:
-        """The import of the `ipc` transport: blocks `positions` of the pull copied out of the
+        """The import of the `ipc` and `nixl` transports: blocks `positions` of the pull copied out of the
         exporter's shared caches, off the step thread as write_kv is."""
         if len(pull.shares) != 1:
             raise ValueError(f"{len(pull.shares)} KV shards for 1 worker: TP and PP must match")
         sources = [pull.block_ids[i] for i in positions]
-        return await asyncio.to_thread(self.worker.pull_kv, block_ids, pull.shares[0], sources, pull.expires_at)
+        end = (pull.expires_at, pull.wall_expires_at)
+        return await asyncio.to_thread(self.worker.pull_kv, block_ids, pull.shares[0], sources, end)
 
     def shutdown(self) -> None:
         self.worker = None  # the weights and KV go with the last reference

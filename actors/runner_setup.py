@@ -45,7 +45,7 @@ def build_runner(
     model = loaded.model
     # The driver samples, so it verifies drafts and proposes the next ones (a draft model runs
     # whole beside the target's last stage, sharing its block tables).
-    share = kv_place(model.norm.device) if config.kv_transport == "ipc" else None
+    share = kv_place(model.norm.device) if config.shares_kv else None
     proposer = build_proposer(config, loaded.config, loaded.max_model_len, num_blocks, share) if is_driver else None
     device = model.norm.device
     single_stage = model.is_first_stage and model.is_last_stage
@@ -68,3 +68,8 @@ def kv_place(device: torch.device) -> str:
     so a pull between GPUs goes through the object store instead."""
     node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
     return f"{node}/gpu-{torch.cuda.get_device_properties(device).uuid}" if device.type == "cuda" else node
+
+
+def node_of(place: str) -> str:
+    """The node part of a kv_place: processes there share one monotonic clock."""
+    return place.split("/", 1)[0]

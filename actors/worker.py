@@ -25,10 +25,11 @@ from cadenza.actors.draft_proposer import DraftModelProposer
 from cadenza.actors.heap_trim import trim_heap
 from cadenza.actors.kv_connector.blocks import KVCaches, gather_blocks, scatter_blocks
 from cadenza.actors.kv_connector.handoff import KVShare
+from cadenza.actors.kv_connector.nixl_transfer import NixlAgent
 from cadenza.actors.kv_connector.shared_cache import PeerCaches, check_lease, pull_blocks
 from cadenza.actors.local_ray import unnice_worker
 from cadenza.actors.model_runner import ModelRunner
-from cadenza.actors.runner_setup import build_runner, kv_place, kv_pool_blocks
+from cadenza.actors.runner_setup import build_runner, kv_place, kv_pool_blocks, node_of
 from cadenza.actors.stage_link import StageLink
 from cadenza.messages import HiddenStates, ModelRunnerOutput, SchedulerOutput, WorkerSpec
 from cadenza.models.loader import LoadedModel, load_model
@@ -64,6 +65,7 @@ class Worker:
         self._loaded: LoadedModel | None = None
         self._kv_blocks, self._tp_rank = spec.num_blocks, 0
         self._peers: PeerCaches | None = None  # other engines' shared KV caches, opened on a first pull
+        self._nixl: NixlAgent | None = None  # the `nixl` transport's agent, made on a first share or pull
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -164,23 +166,42 @@ class Worker:
         return sum(scatter_blocks(caches, block_ids, array, positions) for caches, array in pairs)
 
     def kv_shares(self) -> list[KVShare] | None:
-        """How a peer on this node opens this shard's cache sets (the `ipc` KV transport), or
+        """How a peer opens this shard's cache sets (the `ipc` and `nixl` KV transports), or
         None where they are private."""
-        shares = [getattr(caches, "share", None) for caches in self._kv_sets()]
-        return None if None in shares else shares
+        sets = self._kv_sets()
+        shares = [getattr(caches, "share", None) for caches in sets]
+        if None in shares:
+            return None
+        return self._nixl_agent(sets).shares() if self.spec.config.kv_transport == "nixl" else shares
 
-    def pull_kv(self, block_ids: list[int], shares: list[KVShare], source_ids: list[int], expires_at: float) -> int:
+    def pull_kv(
+        self, block_ids: list[int], shares: list[KVShare], source_ids: list[int], lease_end: tuple[float, float]
+    ) -> int:
         """Another engine's blocks source_ids, copied straight out of its shared caches (the same
-        shard there) into block_ids here, inside its lease; returns the bytes."""
+        shard there) into block_ids here, inside its lease (its end by the node's monotonic
+        clock, and by the wall clock); returns the bytes."""
         sets = self._kv_sets()
         if len(shares) != len(sets):
             raise ValueError(f"{len(shares)} shared KV cache sets for this shard's {len(sets)}: see write_kv")
-        if self._peers is None:
-            self._peers = PeerCaches(kv_place(self.runner.device))
-        pairs = zip(sets, shares, strict=True)
-        done = sum(pull_blocks(caches, block_ids, self._peers.tensor(share), source_ids) for caches, share in pairs)
-        check_lease(expires_at)
+        place = kv_place(self.runner.device)
+        if shares[0].nixl_agent:
+            done = self._nixl_agent(sets).pull(block_ids, shares, source_ids)
+        else:
+            self._peers = self._peers or PeerCaches(place)
+            pairs = zip(sets, shares, strict=True)
+            done = sum(pull_blocks(caches, block_ids, self._peers.tensor(s), source_ids) for caches, s in pairs)
+        check_lease(*lease_end, same_node=node_of(shares[0].place) == node_of(place))
         return done
+
+    def _nixl_agent(self, sets: list[KVCaches]) -> NixlAgent:
+        """This shard's NIXL agent over its current cache sets (made anew for new ones)."""
+        if (
+            self._nixl is None
+            or len(self._nixl.sets) != len(sets)
+            or any(mine is not theirs for mine, theirs in zip(self._nixl.sets, sets))
+        ):
+            self._nixl = NixlAgent(sets)
+        return self._nixl
 
     def weight_bytes(self) -> int:
         """Bytes of this shard's weights as stored (what a decode step streams)."""

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cadenza.config_checks import EXECUTORS, KV_TRANSPORTS, LOGIT_LIST_LIMITS, check_config
+from cadenza.config_checks import EXECUTORS, KV_TRANSPORTS, LOGIT_LIST_LIMITS, SHARED_KV_TRANSPORTS, check_config
 from cadenza.device import check_device_name, resolve_device
 from cadenza.format_names import (
     CPU_GEMM_DTYPES,
@@ -309,6 +309,11 @@ class EngineConfig:
             applies = self.world_size == 1 and self.speculative_config is None
             return applies and self.device.startswith("cuda")
         return self.async_scheduling
+
+    @property
+    def shares_kv(self) -> bool:
+        """Whether the workers allocate their KV caches for peers to read (kv_transport)."""
+        return self.kv_transport in SHARED_KV_TRANSPORTS
 
     @property
     def compiled_graph(self) -> bool:

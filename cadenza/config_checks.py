@@ -3,6 +3,7 @@ each raises a ValueError that names the setting and what it accepts."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 from cadenza.format_names import KV_CACHE_DTYPES
@@ -11,7 +12,10 @@ if TYPE_CHECKING:
     from cadenza.config import EngineConfig
 
 EXECUTORS = ("auto", "local", "ray")
-KV_TRANSPORTS = ("auto", "ipc", "object_store")
+KV_TRANSPORTS = ("auto", "ipc", "nixl", "object_store")
+SHARED_KV_TRANSPORTS = ("ipc", "nixl")  # those whose workers allocate their caches shareable
+# NIXL's Python packages: the meta package, or one of its builds installed by name.
+NIXL_PACKAGES = ("nixl", "nixl_cu13", "nixl_cu12")
 # The caps on the lists a request sends to edit the logits (RequestLimits fields of these names).
 LOGIT_LIST_LIMITS = ("max_logit_bias", "max_allowed_token_ids", "max_bad_words", "max_bad_word_tokens")
 
@@ -35,6 +39,8 @@ def check_config(config: EngineConfig) -> None:  # noqa: C901 - one flat list of
         raise ValueError("max_local_prefill_tokens and max_engine_restarts must be >= 0, kv_lease_s > 0")
     if config.kv_transport not in KV_TRANSPORTS:
         raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {config.kv_transport!r}")
+    if config.kv_transport == "nixl" and not any(importlib.util.find_spec(name) for name in NIXL_PACKAGES):
+        raise ValueError("kv_transport nixl needs NIXL installed: pip install nixl (or nixl-cu12 on a CPU host)")
     if config.executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {config.executor!r}")
     if config.executor == "local" and config.world_size > 1:

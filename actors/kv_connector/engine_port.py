@@ -41,7 +41,7 @@ def _hashes(blocks: list[KVBlock]) -> list[bytes]:
 
 class EnginePort:
     def __init__(self, kv: KVCacheManager, executor: Any, lease_s: float = 10.0, shared: bool = False) -> None:  # noqa: ANN401, E501 - a WorkerExecutor with read_kv / write_kv
-        # shared: the workers' caches are shareable (kv_transport "ipc"), so peers may pull.
+        # shared: the workers' caches are shareable (kv_transport "ipc" or "nixl"), so peers may pull.
         self.kv, self.executor, self.lease_s, self.shared = kv, executor, lease_s, shared
         self.exported_blocks = self.imported_blocks = self.skipped_blocks = 0
         self.bytes_in = 0  # counted where written: an exporter's arrays may never be fetched
@@ -124,12 +124,13 @@ class EnginePort:
 
     def _lease(self, blocks: list[KVBlock], shares: list[list[KVShare]]) -> KVHandoff:
         """Held blocks kept held for a peer to copy out of this engine's shared caches."""
-        lease, expires_at = next(self._lease_ids), time.monotonic() + self.lease_s
+        lease, expires_at, wall_end = next(self._lease_ids), time.monotonic() + self.lease_s, time.time() + self.lease_s
         self._leases[lease] = (blocks, expires_at)
         # Ends it even on an engine that steps no more (its mover gone: cancelled mid-export).
         asyncio.get_running_loop().call_later(self.lease_s, self._expire_leases)
         self.exported_blocks += len(blocks)
-        pull = KVPull(lease=lease, block_ids=[b.block_id for b in blocks], shares=shares, expires_at=expires_at)
+        ids = [b.block_id for b in blocks]
+        pull = KVPull(lease=lease, block_ids=ids, shares=shares, expires_at=expires_at, wall_expires_at=wall_end)
         return KVHandoff(block_hashes=_hashes(blocks), block_size=self.kv.block_size, pull=pull)
 
     async def export_pinned(self, also: list[bytes]) -> tuple[KVHandoff, list[Any]]:
@@ -161,11 +162,13 @@ class EnginePort:
         return KVHandoff(block_hashes=_hashes(blocks), block_size=size), refs
 
     async def _shares_at(self, pull_at: list[str]) -> list[list[KVShare]] | None:
-        """The workers' shares when worker i is where the importer's worker i is, else None."""
+        """The workers' shares when the importer's worker i can read worker i's: it is in the
+        same place, or the shares name NIXL agents (any place); else None."""
         shares = await self._shares()
         if shares is None or len(shares) != len(pull_at):
             return None
-        return shares if all(s.place == place for worker, place in zip(shares, pull_at) for s in worker) else None
+        pairs = zip(shares, pull_at, strict=True)
+        return shares if all(s.nixl_agent or s.place == place for worker, place in pairs for s in worker) else None
 
     async def import_(self, handoff: KVHandoff, refs: list[Any]) -> KVImport:
         """File the handoff's blocks this pool lacks (those it holds are skipped), as far as

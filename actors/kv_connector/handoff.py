@@ -26,6 +26,12 @@ class KVShare(msgspec.Struct, frozen=True, kw_only=True):
     shape: list[int]  # [layers, 2, blocks, block_size, kv_heads, head_dim]
     dtype: str  # torch's name: "float32", "bfloat16", ...
     cuda: list[Any] | None = None  # CUDA: the storage's IPC handle and its fields (bytes, ints, a bool)
+    # The `nixl` transport (nixl_transfer.py): the worker's agent, its metadata (NIXL's own
+    # encoding) and where the set starts in the exporting process (and on which GPU).
+    nixl_agent: str = ""
+    nixl_md: bytes = b""
+    addr: int = 0
+    device_id: int = 0
 
 
 class KVPull(msgspec.Struct, kw_only=True):
@@ -36,6 +42,7 @@ class KVPull(msgspec.Struct, kw_only=True):
     block_ids: list[int]  # the exporter's blocks, in block_hashes' order
     shares: list[list[KVShare]]  # per worker (the same order on both sides), per cache set
     expires_at: float  # time.monotonic() on the node
+    wall_expires_at: float = 0.0  # the same end by time.time(), for a NIXL pull from another node
 
 
 class KVHandoff(msgspec.Struct, kw_only=True):

@@ -30,6 +30,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # per block). Freshly allocated blocks on both sides mostly run: 128 blocks of SmolLM2 in 8.7
 # against 14.6 ms, 2 threads on Zen 4.
 MIN_RUN = 4
+# How far apart two nodes' wall clocks may be (NTP keeps them within milliseconds) for a pull
+# from another node to trust its exporter's lease end (check_lease).
+NODE_CLOCK_SKEW_S = 1.0
 
 
 class KVCacheSet(list):  # noqa: FURB189 - a plain list of (K, V) the model reads, plus how to share it
@@ -142,7 +145,7 @@ def pull_blocks(caches: KVCaches, block_ids: list[int], source: torch.Tensor, so
     k0 = caches[0][0]
     if source.shape[0] != len(caches) or source.shape[3:] != k0.shape[1:] or source.dtype != k0.dtype:
         raise ValueError(f"a peer's KV of shape {tuple(source.shape)} ({source.dtype}) does not fit this cache")
-    runs = _runs(block_ids, source_ids)
+    runs = block_runs(block_ids, source_ids)
     if len(runs) * MIN_RUN <= len(block_ids):  # mostly consecutive on both sides: one copy, no gather
         for layer, (k, v) in enumerate(caches):
             for to, start, n in runs:
@@ -159,7 +162,7 @@ def pull_blocks(caches: KVCaches, block_ids: list[int], source: torch.Tensor, so
     return 2 * len(caches) * len(block_ids) * k0[0].numel() * k0.element_size()
 
 
-def _runs(block_ids: list[int], source_ids: list[int]) -> list[tuple[int, int, int]]:
+def block_runs(block_ids: list[int], source_ids: list[int]) -> list[tuple[int, int, int]]:
     """(first block here, first block there, length) of the runs consecutive on both sides."""
     runs: list[list[int]] = []
     for to, start in zip(block_ids, source_ids, strict=True):
@@ -170,8 +173,14 @@ def _runs(block_ids: list[int], source_ids: list[int]) -> list[tuple[int, int, i
     return [(to, start, n) for to, start, n in runs]
 
 
-def check_lease(expires_at: float) -> None:
+def check_lease(expires_at: float, wall_expires_at: float, same_node: bool) -> None:
     """A pull's copy counts only if it ended inside the lease: the exporter releases the blocks
-    at expires_at (time.monotonic, one clock on a node), never before."""
-    if time.monotonic() >= expires_at:
+    at expires_at (time.monotonic, one clock on a node), never before. From another node (the
+    `nixl` transport) only the wall clocks compare, so the copy must end NODE_CLOCK_SKEW_S
+    before the lease's wall-clock end."""
+    if same_node:
+        expired = time.monotonic() >= expires_at
+    else:
+        expired = time.time() + NODE_CLOCK_SKEW_S >= wall_expires_at
+    if expired:
         raise KVLeaseExpired("the exporting engine's lease on the blocks ran out before the copy ended")

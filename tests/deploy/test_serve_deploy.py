@@ -79,7 +79,7 @@ def _two_replicas(tiny_chat_model: Path, port: int):  # noqa: ANN202 - the fixtu
     ).bind(
         str(tiny_chat_model),
         "tiny",
-        {"num_blocks": 256, "max_engine_restarts": 1},
+        {"num_blocks": 256, "max_engine_restarts": 1, "kv_transport": "nixl"},  # KV pulls cross nodes by NIXL
         {"metrics_push_interval_s": 0.5, "response_owner_timeout_s": 2.0, "response_log_flush_s": 0.2},
     )
     serve.run(app, name="cadenza", route_prefix="/")
@@ -167,9 +167,8 @@ def _replicas_in_metrics(url: str) -> set[str]:
 def test_a_moved_session_continues_with_its_kv_pulled_from_the_old_replica(two_replicas: str) -> None:
     """The conversation store and the KV directory are shared: a turn the router sends to the
     other replica finds its history there and pulls its prefix KV from the replica that
-    computed it (gateway/peer_kv.py; across nodes through the object store, where replicas on
-    one node copy it out of each other's shared caches), then answers the same greedy tokens
-    as at home."""
+    computed it (gateway/peer_kv.py; across nodes by NIXL, read straight out of the other
+    replica's registered caches), then answers the same greedy tokens as at home."""
     client = openai.OpenAI(base_url=two_replicas + "/v1", api_key="none")
     ask = dict(model="tiny", max_output_tokens=8, temperature=0)
     document = "My name is Ada and I keep the lighthouse on the northern cape. " * 12
@@ -193,7 +192,7 @@ def test_a_moved_session_continues_with_its_kv_pulled_from_the_old_replica(two_r
     replica, stats = _stats(two_replicas, f"moved-{i}")
     pulls = stats["engine"]["kv_transfer"]
     assert replica != home and pulls["num_handoffs"] >= 1 and pulls["num_blocks_imported"] > 0
-    assert pulls["num_blocks_pulled"] == 0  # two Ray nodes: through the object store, no shared cache
+    assert pulls["num_blocks_pulled"] == pulls["num_blocks_imported"]  # two Ray nodes, and NIXL reads across
 
 
 @pytest.mark.slow
