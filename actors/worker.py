@@ -184,7 +184,9 @@ class Worker:
         if len(shares) != len(sets):
             raise ValueError(f"{len(shares)} shared KV cache sets for this shard's {len(sets)}: see write_kv")
         place = kv_place(self.runner.device)
-        if shares[0].nixl_agent:
+        # By NIXL where the exporter's agent is named and this engine chose NIXL, or the
+        # caches are elsewhere (an `ipc` importer in the exporter's place maps them instead).
+        if shares[0].nixl_agent and (self.spec.config.kv_transport == "nixl" or shares[0].place != place):
             done = self._nixl_agent(sets).pull(block_ids, shares, source_ids)
         else:
             self._peers = self._peers or PeerCaches(place)

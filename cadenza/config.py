@@ -246,13 +246,15 @@ class EngineConfig:
     kv_transport: str = setting(
         "auto", "parallel", "how KV blocks move between engines: `ipc` (engines on one node share their KV caches: "
         "a memfd on the CPU, CUDA IPC between engines on one GPU; a block is copied once, straight across; other "
-        "pairs use the object store), `object_store` (Ray's object store), `auto` (`ipc` with `--disaggregation` "
-        "and for Serve replicas' KV pulls, else `object_store`)",
+        "pairs use the object store), `nixl` (each worker registers its caches with a NIXL agent and importers read "
+        "blocks straight out of them from anywhere: shared memory on a host, CUDA IPC or NVLink, RDMA or TCP between "
+        "nodes; needs `pip install nixl`), `object_store` (Ray's object store), `auto` (`ipc` with "
+        "`--disaggregation` and for Serve replicas' KV pulls, else `object_store`)",
         choices=KV_TRANSPORTS,
     )  # fmt: skip
     kv_lease_s: float = setting(
-        10.0, "parallel", "with `ipc`: how long an exporting engine holds blocks for a peer to copy them out; a "
-        "copy that ends later is discarded and the blocks recomputed"
+        10.0, "parallel", "with `ipc` or `nixl`: how long an exporting engine holds blocks for a peer to copy them "
+        "out; a copy that ends later is discarded and the blocks recomputed"
     )  # fmt: skip
     use_compiled_graph: bool | None = setting(
         None,

@@ -1,7 +1,8 @@
 """One prompt's KV handed from one engine to another through each KV transport, in one run on
 SmolLM2: `object_store` (the exporter's workers gather the blocks into an array, Ray's object
 store holds it, the importer's workers scatter it) against `ipc` (the importer's workers copy
-the leased blocks straight out of the exporter's shared cache). The same exporter serves both;
+the leased blocks straight out of the exporter's shared cache, mapped) and `nixl` (they read
+them through NIXL from the exporter's registered cache). The same exporter serves all three;
 each transport has its own importer, and every rep a fresh cache salt, so every block is
 written (none skipped). Prefilling the same blocks is the baseline a hand-over must beat.
 
@@ -57,25 +58,28 @@ async def hand_over(
 
 
 async def measure() -> dict[str, Any]:
-    source, by_store, by_ipc = (AsyncLLM(DEFAULT_MODEL, num_blocks=NUM_BLOCKS, kv_transport="ipc") for _ in range(3))
-    places = await by_ipc.kv_places()
+    source, by_store, by_ipc, by_nixl = (
+        AsyncLLM(DEFAULT_MODEL, num_blocks=NUM_BLOCKS, kv_transport=t) for t in ("nixl", "ipc", "ipc", "nixl")
+    )
+    places = await by_ipc.kv_places()  # by_nixl's are the same: one node
     ids = [(i * 7919) % 40000 + 100 for i in range(PROMPT_TOKENS)]
-    rows: dict[str, list[float]] = {"prefill": [], "object_store": [], "ipc": []}
+    rows: dict[str, list[float]] = {"prefill": [], "object_store": [], "ipc": [], "nixl": []}
     moved: dict[str, KVTransferStats] = {}
     for rep in range(WARMUP + REPS):  # the warm-up reps are not counted
         salt = f"rep{rep}"
         prefill = await prefill_s(source, ids, salt)
         store_s, moved["object_store"] = await hand_over(source, by_store, ids, salt, None)
         ipc_s, moved["ipc"] = await hand_over(source, by_ipc, ids, salt, places)
+        nixl_s, moved["nixl"] = await hand_over(source, by_nixl, ids, salt, places)
         if rep >= WARMUP:
-            for key, value in (("prefill", prefill), ("object_store", store_s), ("ipc", ipc_s)):
+            for key, value in (("prefill", prefill), ("object_store", store_s), ("ipc", ipc_s), ("nixl", nixl_s)):
                 rows[key].append(value)
-    for engine in (source, by_store, by_ipc):
+    for engine in (source, by_store, by_ipc, by_nixl):
         engine.shutdown()
     med = {k: statistics.median(v) for k, v in rows.items()}
     blocks = PROMPT_TOKENS // 16
     return {
-        "what": "one prompt's KV handed between two engines: Ray's object store vs the ipc transport's pull",
+        "what": "one prompt's KV handed between two engines: Ray's object store vs the ipc and nixl transports' pulls",
         "model": DEFAULT_MODEL,
         "prompt_tokens": PROMPT_TOKENS,
         "reps": REPS,
@@ -86,6 +90,8 @@ async def measure() -> dict[str, Any]:
         "bytes_per_block": moved["ipc"].num_bytes // blocks,
         "ms_per_block": {k: round(1000 * v / blocks, 3) for k, v in med.items()},
         "object_store_over_ipc": round(med["object_store"] / med["ipc"], 2),
+        "object_store_over_nixl": round(med["object_store"] / med["nixl"], 2),
+        "nixl_over_ipc": round(med["nixl"] / med["ipc"], 2),
         "prefill_over_ipc": round(med["prefill"] / med["ipc"], 1),
     }
 

@@ -27,6 +27,7 @@ KERNELS = {
     "fused_moe",
     "kv_handoff",  # not a kernel: the KV connector's hand-over of blocks, on the device's caches
     "kv_pull",  # nor this: the ipc transport's copy out of another process's shared cache
+    "kv_nixl",  # nor this: the nixl transport's read out of another process's registered cache
 }
 
 
