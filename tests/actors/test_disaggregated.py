@@ -256,11 +256,13 @@ def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> 
 
 
 @pytest.mark.slow
-def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("transport", ["ipc", "nixl"])
+def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory, transport: str) -> None:  # noqa: ANN001, E501
     """Each TP rank's shard of a block goes to the same rank on the other side (worker actors,
-    each copying its shard straight out of the same rank's shared cache there). A prefill
-    worker killed: the request it was prefilling is computed on the decode engine, the prefill
-    engine rebuilds its workers, and the next hand-over pulls from the new workers' caches."""
+    each copying its shard straight out of the same rank's shared cache there, mapped or read
+    through NIXL). A prefill worker killed: the request it was prefilling is computed on the
+    decode engine, the prefill engine rebuilds its workers, and the next hand-over pulls from
+    the new workers' caches (by NIXL: from their new agents)."""
     import numpy as np
     import ray
     from cadenza_testkit.tiny_models import build_tiny_chat_model
@@ -273,7 +275,7 @@ def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempP
         expected = [asyncio.run(_run(single, prompt, greedy)) for prompt in prompts]
     finally:
         single.shutdown()
-    split = DisaggregatedLLM(path, "1P1D", tensor_parallel_size=2, **ENGINE)
+    split = DisaggregatedLLM(path, "1P1D", tensor_parallel_size=2, kv_transport=transport, **ENGINE)
     try:
         assert asyncio.run(_run(split, prompts[0], greedy)) == expected[0]
         moved = split.transfer
