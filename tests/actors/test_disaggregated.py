@@ -260,9 +260,10 @@ def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> 
 def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory, transport: str) -> None:  # noqa: ANN001, E501
     """Each TP rank's shard of a block goes to the same rank on the other side (worker actors,
     each copying its shard straight out of the same rank's shared cache there, mapped or read
-    through NIXL). A prefill worker killed: the request it was prefilling is computed on the
-    decode engine, the prefill engine rebuilds its workers, and the next hand-over pulls from
-    the new workers' caches (by NIXL: from their new agents)."""
+    through NIXL). With ipc, a prefill worker killed: the request it was prefilling is
+    computed on the decode engine, the prefill engine rebuilds its workers, and the next
+    hand-over pulls from the new workers' caches (rebuilt workers are new actors, so under
+    nixl new agents by new names: nothing to reset, and the rebuild is not run twice)."""
     import numpy as np
     import ray
     from cadenza_testkit.tiny_models import build_tiny_chat_model
@@ -281,17 +282,18 @@ def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempP
         moved = split.transfer
         assert moved.num_blocks_imported == 4 and moved.num_fallbacks == 0  # 70 tokens: 4 full blocks
         assert moved.num_blocks_pulled == 4
-        ray.kill(ray.get(split.prefill[0].engine.workers.remote())[1])
-        assert asyncio.run(_run(split, prompts[1], greedy)) == expected[1]  # its prefill step finds the death
-        pulled, fallbacks = moved.num_blocks_pulled, moved.num_fallbacks
-        assert asyncio.run(_run(split, prompts[2], greedy)) == expected[2]
-        assert moved.num_blocks_pulled == pulled + 3 and moved.num_fallbacks == fallbacks
-        assert asyncio.run(split.stats()).roles[0][1].num_worker_restarts == 1
+        last = prompts[0]
+        if transport == "ipc":
+            ray.kill(ray.get(split.prefill[0].engine.workers.remote())[1])
+            assert asyncio.run(_run(split, prompts[1], greedy)) == expected[1]  # its prefill step finds the death
+            pulled, fallbacks = moved.num_blocks_pulled, moved.num_fallbacks
+            assert asyncio.run(_run(split, prompts[2], greedy)) == expected[2]
+            assert moved.num_blocks_pulled == pulled + 3 and moved.num_fallbacks == fallbacks
+            assert asyncio.run(split.stats()).roles[0][1].num_worker_restarts == 1
+            last = prompts[2]
         # Greedy tokens of a tiny random model barely hang on the KV: compare the bytes.
-        (sent, sent_refs), (held, held_refs) = (
-            asyncio.run(e.export_kv(prompts[2])) for e in (*split.prefill, *split.decode)
-        )
-        assert sent.block_hashes == held.block_hashes and len(sent.block_hashes) == 3
+        (sent, sent_refs), (held, held_refs) = (asyncio.run(e.export_kv(last)) for e in (*split.prefill, *split.decode))
+        assert sent.block_hashes == held.block_hashes and len(sent.block_hashes) == len(last) // 16
         for a, b in zip(ray.get(sent_refs), ray.get(held_refs), strict=True):  # per TP rank: [model's KV]
             np.testing.assert_array_equal(a[0], b[0])
     finally:
