@@ -18,6 +18,7 @@ import importlib
 import logging
 import os
 import secrets
+import threading
 import time
 from types import ModuleType
 from typing import Any
@@ -78,7 +79,10 @@ class NixlAgent:
             assert base is not None, "a NIXL agent registers shared cache sets (one allocation each)"
             self.agent.register_memory([(base.data_ptr(), _nbytes(base), _device_id(base), "")], _mem_type(base))
         self.metadata = self.agent.get_agent_metadata()
-        self._peers: dict[str, bytes] = {}  # agent name -> metadata loaded, oldest first
+        self._peers: dict[str, None] = {}  # the agents connected, oldest first
+        # One read at a time: imports run on threads (asyncio.to_thread), and an agent made
+        # without NIXL's listener thread does not lock itself (its sync mode is NONE).
+        self._lock = threading.Lock()
 
     def shares(self) -> list[KVShare]:
         """The sets' shares, naming this agent and where each set starts in this process."""
@@ -89,13 +93,17 @@ class NixlAgent:
                 nixl_md=self.metadata,
                 addr=caches.base.data_ptr(),
                 device_id=_device_id(caches.base),
-            )  # fmt: skip
+            )
             for caches in self.sets
         ]
 
     def pull(self, block_ids: list[int], shares: list[KVShare], source_ids: list[int]) -> int:
         """Blocks source_ids of the peer's sets (their shares) read into block_ids of ours, one
         transfer for all sets; returns the bytes."""
+        with self._lock:
+            return self._pull(block_ids, shares, source_ids)
+
+    def _pull(self, block_ids: list[int], shares: list[KVShare], source_ids: list[int]) -> int:
         peer = self._connect(shares[0])
         local, remote = [], []
         for caches, share in zip(self.sets, shares, strict=True):
@@ -131,7 +139,7 @@ class NixlAgent:
                 self.agent.add_remote_agent(share.nixl_md)
             except Exception as e:
                 raise KVShareGone(f"NIXL could not load the exporter's agent {share.nixl_agent}: {e}") from e
-            self._peers[share.nixl_agent] = share.nixl_md
+            self._peers[share.nixl_agent] = None
         return share.nixl_agent
 
 
