@@ -32,33 +32,40 @@ from cadenza.actors.kv_connector.shared_cache import KVCaches, KVCacheSet, KVSha
 
 # The agents a worker keeps connected; an older one (an exporter rebuilt or gone) is dropped.
 MAX_PEERS = 32
-# NIXL's Python API: the `nixl` meta package picks its CUDA build; without it, a build installed
-# by name (the CPU machines' suite installs nixl-cu12, which runs without a GPU).
+# How often NIXL's progress thread moves transfers along, in microseconds. It has to run: a
+# peer's first read needs this side to answer UCX's wire-up, and reads over TCP need it
+# throughout. NIXL's Python wrapper (nixl_agent) fixes it at 0, a thread spinning a whole core
+# even while idle (half of a 2-core machine: it halved the served engines' speed); at 1 ms it
+# costs about 3% of a core (an idle agent, Zen 4), and an importer polls its own reads.
+PROGRESS_EVERY_US = 1000
+# NIXL's API: the `nixl` meta package picks its CUDA build; without it, a build installed by
+# name (the CPU machines' suite installs nixl-cu12, which runs without a GPU). Used through its
+# bindings, whose config sets the progress thread's pace.
 _APIS = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
 
-def nixl_api() -> ModuleType:
+def nixl_bindings() -> ModuleType:
     for name in _APIS:
         try:
             api = importlib.import_module(name)
         except ImportError:
             continue
-        if "NIXL_LOG_LEVEL" not in os.environ:  # else every agent made logs to stdout at INFO
+        if "NIXL_LOG_LEVEL" not in os.environ:  # else its modules log to stdout at INFO
             logging.getLogger("nixl").setLevel(logging.WARNING)
-        return api
+        return api.nixlBind
     raise RuntimeError("kv_transport nixl needs NIXL: pip install nixl (on a CPU host, nixl-cu12 runs without a GPU)")
 
 
 def nixl_installed() -> bool:
     try:
-        nixl_api()
+        nixl_bindings()
     except RuntimeError:
         return False
     return True
 
 
-def _mem_type(tensor: torch.Tensor) -> str:
-    return "VRAM" if tensor.device.type == "cuda" else "DRAM"
+def _segment(bind: ModuleType, tensor: torch.Tensor) -> Any:  # noqa: ANN401 - NIXL's memory type
+    return bind.VRAM_SEG if tensor.device.type == "cuda" else bind.DRAM_SEG
 
 
 def _device_id(tensor: torch.Tensor) -> int:
@@ -70,18 +77,23 @@ class NixlAgent:
     (pull) copy a peer's blocks into them."""
 
     def __init__(self, sets: list[KVCacheSet]) -> None:
-        api = nixl_api()
+        self.bind = bind = nixl_bindings()
         self.name = f"cadenza-kv-{secrets.token_hex(8)}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        config = bind.nixlAgentConfig()
+        config.useProgThread, config.useListenThread, config.pthrDelay = True, False, PROGRESS_EVERY_US
+        config.syncMode = bind.NIXL_THREAD_SYNC_NONE  # as NIXL's wrapper: reads are one at a time here
+        self.agent = bind.nixlAgent(self.name, config)
+        self.agent.createBackend("UCX", {})
         self.sets = sets
         for caches in sets:
             base = caches.base
             assert base is not None, "a NIXL agent registers shared cache sets (one allocation each)"
-            self.agent.register_memory([(base.data_ptr(), _nbytes(base), _device_id(base), "")], _mem_type(base))
-        self.metadata = self.agent.get_agent_metadata()
+            region = [(base.data_ptr(), _nbytes(base), _device_id(base), "")]
+            self.agent.registerMem(bind.nixlRegDList(_segment(bind, base), region), [])
+        self.metadata = self.agent.getLocalMD()
         self._peers: dict[str, None] = {}  # the agents connected, oldest first
-        # One read at a time: imports run on threads (asyncio.to_thread), and an agent made
-        # without NIXL's listener thread does not lock itself (its sync mode is NONE).
+        # One read at a time: imports run on threads (asyncio.to_thread), and the agent does
+        # not lock itself (sync mode NONE).
         self._lock = threading.Lock()
 
     def shares(self) -> list[KVShare]:
@@ -111,32 +123,34 @@ class NixlAgent:
             mine, theirs = _descriptors(caches.base, share, block_ids, source_ids)
             local.append(mine)
             remote.append(theirs)
-        mem = _mem_type(self.sets[0].base)
+        bind, segment = self.bind, _segment(self.bind, self.sets[0].base)
+        here, there = (
+            bind.nixlXferDList(segment, np.concatenate(local)),
+            bind.nixlXferDList(segment, np.concatenate(remote)),
+        )
         try:
-            handle = self.agent.initialize_xfer(
-                "READ", self.agent.get_xfer_descs(np.concatenate(local), mem),
-                self.agent.get_xfer_descs(np.concatenate(remote), mem), peer,
-            )  # fmt: skip
+            handle = self.agent.createXferReq(bind.NIXL_READ, here, there, peer, b"", [])
             try:
-                _wait(self.agent, handle)
+                _wait(bind, self.agent, handle)
             finally:
-                self.agent.release_xfer_handle(handle)
+                self.agent.releaseXferReq(handle)
         except Exception as e:  # NIXL's own errors (nixlRemoteDisconnectError, ...): the peer is gone
             self._forget(peer)
             raise KVShareGone(f"a NIXL read of {peer}'s KV failed: {e}") from e
         return sum(int(part[:, 1].sum()) for part in local)
 
     def _forget(self, peer: str) -> None:
-        if self._peers.pop(peer, None) is not None:
+        if peer in self._peers:
+            del self._peers[peer]
             with contextlib.suppress(Exception):  # already disconnected: nothing more to undo
-                self.agent.remove_remote_agent(peer)
+                self.agent.invalidateRemoteMD(peer)
 
     def _connect(self, share: KVShare) -> str:
         if share.nixl_agent not in self._peers:
             if len(self._peers) >= MAX_PEERS:
                 self._forget(next(iter(self._peers)))
             try:
-                self.agent.add_remote_agent(share.nixl_md)
+                self.agent.loadRemoteMD(share.nixl_md)
             except Exception as e:
                 raise KVShareGone(f"NIXL could not load the exporter's agent {share.nixl_agent}: {e}") from e
             self._peers[share.nixl_agent] = None
@@ -171,12 +185,12 @@ def _descriptors(
     return here, rows(share.addr, share.shape[2], runs[:, 1], share.device_id)
 
 
-def _wait(agent: Any, handle: Any) -> None:  # noqa: ANN401 - NIXL's agent and transfer handle
-    """Until the read is done (NIXL's progress thread moves it; this only polls)."""
-    state, pause = agent.transfer(handle), 1e-5
-    while state == "PROC":
+def _wait(bind: ModuleType, agent: Any, handle: Any) -> None:  # noqa: ANN401 - NIXL's agent and transfer
+    """Until the read is done (polling also moves it along, between the progress thread's turns)."""
+    status, pause = agent.postXferReq(handle, b""), 1e-5
+    while status == bind.NIXL_IN_PROG:
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
-        state = agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise RuntimeError(f"the transfer ended in state {state}")
+        status = agent.getXferStatus(handle)
+    if status != bind.NIXL_SUCCESS:
+        raise RuntimeError(f"the transfer ended with status {status}")
