@@ -37,8 +37,8 @@ def add_moved_session_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument(
-        "--kv-transport", default="ipc", choices=("ipc", "object_store"),
-        help="how the pull moves the blocks (ipc: what Serve replicas on one node use)",
+        "--kv-transport", default="ipc", choices=("ipc", "nixl", "object_store"),
+        help="how the pull moves the blocks (ipc: what Serve replicas on one node use; nixl: needs NIXL)",
     )  # fmt: skip
 
 
