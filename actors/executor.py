@@ -222,8 +222,8 @@ class RayExecutor:
             raise ValueError(f"{len(pull.shares)} KV shards for {len(self.workers)} workers: TP and PP must match")
         sources = [pull.block_ids[i] for i in positions]
         pairs = zip(self.workers, pull.shares, strict=True)
-        end = (pull.expires_at, pull.wall_expires_at)
-        return sum(await asyncio.gather(*[w.pull_kv.remote(block_ids, s, sources, end) for w, s in pairs]))
+        calls = [w.pull_kv.remote(block_ids, s, sources, pull.lease_end) for w, s in pairs]
+        return sum(await asyncio.gather(*calls))
 
     def shutdown(self) -> None:
         # Kill first: a graph's teardown waits for every worker's loop, and a survivor may sit

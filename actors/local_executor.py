@@ -105,8 +105,7 @@ class LocalExecutor:
         if len(pull.shares) != 1:
             raise ValueError(f"{len(pull.shares)} KV shards for 1 worker: TP and PP must match")
         sources = [pull.block_ids[i] for i in positions]
-        end = (pull.expires_at, pull.wall_expires_at)
-        return await asyncio.to_thread(self.worker.pull_kv, block_ids, pull.shares[0], sources, end)
+        return await asyncio.to_thread(self.worker.pull_kv, block_ids, pull.shares[0], sources, pull.lease_end)
 
     def shutdown(self) -> None:
         self.worker = None  # the weights and KV go with the last reference

@@ -44,6 +44,11 @@ class KVPull(msgspec.Struct, kw_only=True):
     expires_at: float  # time.monotonic() on the node
     wall_expires_at: float = 0.0  # the same end by time.time(), for a NIXL pull from another node
 
+    @property
+    def lease_end(self) -> tuple[float, float]:
+        """(expires_at, wall_expires_at): what a worker's pull checks its copy against."""
+        return self.expires_at, self.wall_expires_at
+
 
 class KVHandoff(msgspec.Struct, kw_only=True):
     block_hashes: list[bytes]  # a prompt's leading run of cached blocks, or a drain's pinned ones

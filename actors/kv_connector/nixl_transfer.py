@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from cadenza.actors.kv_connector.handoff import KVShare
-from cadenza.actors.kv_connector.shared_cache import KVCaches, KVCacheSet, KVShareGone, block_runs
+from cadenza.actors.kv_connector.shared_cache import KVCacheSet, KVShareGone, block_runs, check_fits
+from cadenza.config_checks import NIXL_PACKAGES
 
 # The agents a worker keeps connected; an older one (an exporter rebuilt or gone) is dropped.
 MAX_PEERS = 32
@@ -41,7 +42,7 @@ PROGRESS_EVERY_US = 1000
 # NIXL's API: the `nixl` meta package picks its CUDA build; without it, a build installed by
 # name (the CPU machines' suite installs nixl-cu12, which runs without a GPU). Used through its
 # bindings, whose config sets the progress thread's pace.
-_APIS = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+_APIS = tuple(f"{package}._api" for package in NIXL_PACKAGES)
 
 
 def nixl_bindings() -> ModuleType:
@@ -119,7 +120,7 @@ class NixlAgent:
         peer = self._connect(shares[0])
         local, remote = [], []
         for caches, share in zip(self.sets, shares, strict=True):
-            _check_fits(caches, share)
+            check_fits(caches, share.shape, getattr(torch, share.dtype))
             mine, theirs = _descriptors(caches.base, share, block_ids, source_ids)
             local.append(mine)
             remote.append(theirs)
@@ -159,12 +160,6 @@ class NixlAgent:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _check_fits(caches: KVCaches, share: KVShare) -> None:
-    k0 = caches[0][0]
-    if share.shape[0] != len(caches) or share.shape[3:] != list(k0.shape[1:]) or share.dtype != str(k0.dtype)[6:]:
-        raise ValueError(f"a peer's KV of shape {share.shape} ({share.dtype}) does not fit this cache")
 
 
 def _descriptors(

@@ -142,9 +142,8 @@ class PeerCaches:
 def pull_blocks(caches: KVCaches, block_ids: list[int], source: torch.Tensor, source_ids: list[int]) -> int:
     """Copy blocks source_ids of a peer's shared set (PeerCaches.tensor) into block_ids here,
     layer by layer; returns the bytes."""
+    check_fits(caches, list(source.shape), source.dtype)
     k0 = caches[0][0]
-    if source.shape[0] != len(caches) or source.shape[3:] != k0.shape[1:] or source.dtype != k0.dtype:
-        raise ValueError(f"a peer's KV of shape {tuple(source.shape)} ({source.dtype}) does not fit this cache")
     runs = block_runs(block_ids, source_ids)
     if len(runs) * MIN_RUN <= len(block_ids):  # mostly consecutive on both sides: one copy, no gather
         for layer, (k, v) in enumerate(caches):
@@ -160,6 +159,14 @@ def pull_blocks(caches: KVCaches, block_ids: list[int], source: torch.Tensor, so
     if k0.device.type == "cuda":
         torch.cuda.current_stream(k0.device).synchronize()  # the copy is done before the lease is checked
     return 2 * len(caches) * len(block_ids) * k0[0].numel() * k0.element_size()
+
+
+def check_fits(caches: KVCaches, shape: list[int], dtype: torch.dtype) -> None:
+    """A peer's cache set of `shape` ([layers, 2, blocks, *block]) and dtype holds this shard's
+    blocks: the same layers, block shape and dtype (its block count may differ)."""
+    k0 = caches[0][0]
+    if shape[0] != len(caches) or shape[3:] != list(k0.shape[1:]) or dtype != k0.dtype:
+        raise ValueError(f"a peer's KV of shape {tuple(shape)} ({dtype}) does not fit this cache")
 
 
 def block_runs(block_ids: list[int], source_ids: list[int]) -> list[tuple[int, int, int]]:

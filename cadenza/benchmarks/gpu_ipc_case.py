@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import multiprocessing
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
 
 import msgspec
 import torch
@@ -53,7 +52,9 @@ def _exporter(conn: Connection, shape: tuple[int, ...], dtype_name: str, device:
     conn.recv_bytes()  # the importer is done with it
 
 
-def _start_exporter(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device, nixl: bool) -> tuple[KVShare, Any]:
+def _start_exporter(
+    shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device, nixl: bool
+) -> tuple[KVShare, Callable[[], None]]:
     """The exporter's share, and what stops it when called."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
