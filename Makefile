@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL ?= SmolLM2-135M-Instruct
 
-.PHONY: test test-quick lint chat serve bench clean env chromium gpu-check
+.PHONY: test test-quick lint chat serve bench clean env chromium gpu-check gpu-bundle
 
 $(BIN)/.ready: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench: env
 # JSON, exits non-zero on a failure or without CUDA. E.g. `make gpu-check GPU_CHECK_ARGS=--quick`.
 gpu-check: env
 	$(BIN)/cadenza gpu-check $(GPU_CHECK_ARGS)
+
+# What a GPU host without network needs for the check beyond torch, Triton and transformers
+# (docs/gpus.md): run here, then `sh deploy/gpu_check_offline.sh` there.
+gpu-bundle:
+	sh deploy/gpu_bundle.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

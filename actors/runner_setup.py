@@ -4,7 +4,8 @@ on CUDA, its decode graphs)."""
 
 from __future__ import annotations
 
-import ray
+import sys
+
 import torch
 
 from cadenza.actors.cuda_graphs import graph_settings
@@ -66,7 +67,10 @@ def kv_place(device: torch.device) -> str:
     KV transport): this Ray node ("local" outside Ray) and, on CUDA, this GPU by its UUID. A
     process opens CUDA IPC memory only on a GPU it sees, and Ray shows each worker its own,
     so a pull between GPUs goes through the object store instead."""
-    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    # Ray is looked up, not imported: a process that never imported it runs outside Ray, and the
+    # in-process engine (`LLM`, the GPU check) runs on hosts without Ray.
+    ray = sys.modules.get("ray")
+    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else "local"
     return f"{node}/gpu-{torch.cuda.get_device_properties(device).uuid}" if device.type == "cuda" else node
 
 

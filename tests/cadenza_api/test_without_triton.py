@@ -1,5 +1,6 @@
 """Installs where llama.cpp users are: the CPU path imports no Triton, so a host without a
-Triton wheel installs Cadenza and serves. One test runs the engine with Triton unimportable;
+Triton wheel installs Cadenza and serves. One test runs the in-process engine with Triton and
+Ray unimportable (it needs neither: a GPU host without Ray runs the GPU check through it);
 the other builds the wheel, installs it into a venv that lacks Triton and serves a request."""
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from cadenza_testkit.servers import free_port
 from cadenza_testkit.tiny_models import build_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[2]
-# Put first on sys.meta_path, this makes `import triton` fail as on a host without the wheel.
+# Put first on sys.meta_path, this makes `import triton` (and `import ray`) fail as on a host
+# without the wheel.
 NO_TRITON = """
 import sys
 class NoTriton:
     def find_spec(self, name, path=None, target=None):
-        if name == "triton" or name.startswith("triton."):
+        if name.split(".")[0] in ("triton", "ray"):
             raise ImportError("no module named " + repr(name) + " (hidden by the test)")
 sys.meta_path.insert(0, NoTriton())
 """
@@ -39,13 +41,14 @@ def _python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.heavy  # not in make test-quick: two Python processes of their own
-def test_the_cpu_engine_runs_without_triton(tmp_path: Path) -> None:
+def test_the_cpu_engine_runs_without_triton_or_ray(tmp_path: Path) -> None:
     model = build_tiny_chat_model(tmp_path / "tiny")
     code = f"""
 from cadenza import LLM, SamplingParams
 out = LLM({str(model)!r}, num_blocks=64).generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 4
 assert "triton" not in sys.modules, "the CPU path imported Triton"
+assert "ray" not in sys.modules, "the in-process engine imported Ray"
 print("served without triton")
 """
     done = _python(code, tmp_path)
