@@ -256,14 +256,15 @@ def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["ipc", "nixl"])
-def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory, transport: str) -> None:  # noqa: ANN001, E501
-    """Each TP rank's shard of a block goes to the same rank on the other side (worker actors,
-    each copying its shard straight out of the same rank's shared cache there, mapped or read
-    through NIXL). With ipc, a prefill worker killed: the request it was prefilling is
-    computed on the decode engine, the prefill engine rebuilds its workers, and the next
-    hand-over pulls from the new workers' caches (rebuilt workers are new actors, so under
-    nixl new agents by new names: nothing to reset, and the rebuild is not run twice)."""
+@pytest.mark.parametrize(("layout", "transport"), [("tp2", "ipc"), ("tp2", "nixl"), ("pp2", "ipc")])
+def test_1p1d_sharded_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory, layout: str, transport: str) -> None:  # noqa: ANN001, E501
+    """Each TP rank's shard of a block (or each PP stage's layers) goes to the same rank or
+    stage on the other side (worker actors, each copying its shard straight out of the same
+    worker's shared cache there, mapped or read through NIXL). With TP and ipc, a prefill
+    worker killed: the request it was prefilling is computed on the decode engine, the prefill
+    engine rebuilds its workers, and the next hand-over pulls from the new workers' caches
+    (rebuilt workers are new actors, so under nixl new agents by new names: nothing to reset,
+    and the rebuild is not run twice)."""
     import numpy as np
     import ray
     from cadenza_testkit.tiny_models import build_tiny_chat_model
@@ -276,14 +277,15 @@ def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempP
         expected = [asyncio.run(_run(single, prompt, greedy)) for prompt in prompts]
     finally:
         single.shutdown()
-    split = DisaggregatedLLM(path, "1P1D", tensor_parallel_size=2, kv_transport=transport, **ENGINE)
+    sharding = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}[layout]
+    split = DisaggregatedLLM(path, "1P1D", kv_transport=transport, **sharding, **ENGINE)
     try:
         assert asyncio.run(_run(split, prompts[0], greedy)) == expected[0]
         moved = split.transfer
         assert moved.num_blocks_imported == 4 and moved.num_fallbacks == 0  # 70 tokens: 4 full blocks
         assert moved.num_blocks_pulled == 4
         last = prompts[0]
-        if transport == "ipc":
+        if (layout, transport) == ("tp2", "ipc"):
             ray.kill(ray.get(split.prefill[0].engine.workers.remote())[1])
             assert asyncio.run(_run(split, prompts[1], greedy)) == expected[1]  # its prefill step finds the death
             pulled, fallbacks = moved.num_blocks_pulled, moved.num_fallbacks
@@ -294,7 +296,8 @@ def test_1p1d_with_tp2_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempP
         # Greedy tokens of a tiny random model barely hang on the KV: compare the bytes.
         (sent, sent_refs), (held, held_refs) = (asyncio.run(e.export_kv(last)) for e in (*split.prefill, *split.decode))
         assert sent.block_hashes == held.block_hashes and len(sent.block_hashes) == len(last) // 16
-        for a, b in zip(ray.get(sent_refs), ray.get(held_refs), strict=True):  # per TP rank: [model's KV]
+        assert len(sent_refs) == len(held_refs) == 2  # a worker each: two TP ranks or two PP stages
+        for a, b in zip(ray.get(sent_refs), ray.get(held_refs), strict=True):  # per worker: [model's KV]
             np.testing.assert_array_equal(a[0], b[0])
     finally:
         split.shutdown()
