@@ -257,7 +257,12 @@ def test_a_dead_prefill_engine_moves_its_work_to_the_decode_engines(engines) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "transport"), [("tp2", "ipc"), ("tp2", "nixl"), ("pp2", "ipc")])
-def test_1p1d_sharded_on_both_sides(ray_cluster, tmp_path_factory: pytest.TempPathFactory, layout: str, transport: str) -> None:  # noqa: ANN001, E501
+def test_1p1d_sharded_on_both_sides(
+    ray_cluster,  # noqa: ANN001
+    tmp_path_factory: pytest.TempPathFactory,
+    layout: str,
+    transport: str,
+) -> None:
     """Each TP rank's shard of a block (or each PP stage's layers) goes to the same rank or
     stage on the other side (worker actors, each copying its shard straight out of the same
     worker's shared cache there, mapped or read through NIXL). With TP and ipc, a prefill
