@@ -24,7 +24,7 @@ python3 - "$out/nixl_wheel" "$out/nixl" <<'PY'
 import pathlib, sys, zipfile
 wheel = next(pathlib.Path(sys.argv[1]).glob("*.whl"))
 with zipfile.ZipFile(wheel) as archive:
-    kept = [n for n in archive.namelist() if n.split("/")[0].lstrip(".").startswith("nixl_cu") and ".data/" not in n]
+    kept = [n for n in archive.namelist() if not n.startswith("nixl_ep") and ".data/" not in n]
     archive.extractall(sys.argv[2], kept)
 PY
 tar -C "$out/nixl" -cJf "$out/nixl.tar.xz" .
